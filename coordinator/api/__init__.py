@@ -1,0 +1,1 @@
+"""HTTP layer: routes parse requests, call a service, map errors to statuses. Routes never commit."""

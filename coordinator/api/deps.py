@@ -1,0 +1,81 @@
+"""Request dependencies, declared once as `Annotated` aliases."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from coordinator.auth import Principal, ServiceTokens, authenticate
+from coordinator.blobstore import LocalBlobStore
+from coordinator.errors import PayloadTooLarge
+from coordinator.settings import Settings
+
+
+@dataclass(slots=True)
+class AppState:
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    blobs: LocalBlobStore
+    tokens: ServiceTokens
+    clock: Callable[[], datetime]
+    spool_dir: Path
+
+
+def get_state(request: Request) -> AppState:
+    state: AppState = request.app.state.dipaco
+    return state
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    with state.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def authenticate_with(state: AppState, authorization: str | None) -> Principal:
+    with state.sessions() as session:
+        principal = authenticate(session, state.tokens, authorization)
+        session.rollback()
+        return principal
+
+
+def get_principal(state: StateDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    return authenticate_with(state, authorization)
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Path:
+    """Stream the request body to a temporary file, refusing more than `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {int(declared)} bytes is over the {limit}-byte limit")
+    fd, name = tempfile.mkstemp(dir=spool_dir, suffix=".upload")
+    size = 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"body is over the {limit}-byte limit")
+                out.write(chunk)
+    except BaseException:
+        os.unlink(name)
+        raise
+    return Path(name)

@@ -1,0 +1,102 @@
+"""Uploading outer gradients (streamed safetensors body) and releasing leases."""
+
+from __future__ import annotations
+
+import math
+
+from fastapi import APIRouter, Header, Request
+from fastapi.concurrency import run_in_threadpool
+
+from coordinator.api.deps import PrincipalDep, SessionDep, StateDep, authenticate_with, spool_body
+from coordinator.auth import require
+from coordinator.errors import Invalid
+from coordinator.schemas import ContributionPublic, LeaseStatus
+from coordinator.services import leases, rounds, uploads
+
+router = APIRouter(prefix="/v1", tags=["leases"])
+
+
+def _parse_float(name: str, value: str | None) -> float:
+    if value is None:
+        raise Invalid(f"header {name} is required")
+    try:
+        parsed = float(value)
+    except ValueError as exc:
+        raise Invalid(f"header {name} must be a number, got {value!r}") from exc
+    if not math.isfinite(parsed):
+        raise Invalid(f"header {name} must be finite, got {value!r}")
+    return parsed
+
+
+def _parse_int(name: str, value: str | None, *, required: bool) -> int | None:
+    if value is None:
+        if required:
+            raise Invalid(f"header {name} is required")
+        return None
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise Invalid(f"header {name} must be an integer, got {value!r}") from exc
+
+
+@router.post("/leases/{lease_id}/outer-gradients", response_model=ContributionPublic)
+async def upload_outer_gradients(
+    lease_id: int,
+    request: Request,
+    state: StateDep,
+    x_dipaco_round: str | None = Header(None),
+    x_dipaco_tokens: str | None = Header(None),
+    x_dipaco_train_loss: str | None = Header(None),
+) -> ContributionPublic:
+    """Body: safetensors, one F32 tensor per parameter of the path, named `<level>/<param>`."""
+    principal = await run_in_threadpool(authenticate_with, state, request.headers.get("authorization"))
+    require(principal, "island")
+    assert principal.island_id is not None
+    round_header = _parse_int("X-Dipaco-Round", x_dipaco_round, required=False)
+    tokens = _parse_int("X-Dipaco-Tokens", x_dipaco_tokens, required=True)
+    assert tokens is not None
+    loss = _parse_float("X-Dipaco-Train-Loss", x_dipaco_train_loss)
+    body = await spool_body(request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir)
+
+    def _submit() -> ContributionPublic:
+        now = state.clock()
+        with state.sessions() as session:
+            contribution, created = uploads.submit_outer_gradients(
+                session,
+                state.blobs,
+                lease_id=lease_id,
+                island_id=principal.island_id or 0,
+                round_header=round_header,
+                tokens=tokens,
+                train_loss=loss,
+                body=body,
+                now=now,
+            )
+            applied = created and rounds.maybe_apply_round(session, state.blobs, contribution.run_id, now=now)
+            lease = leases.get_lease(session, lease_id)
+            path_index = leases.lease_path_index(session, lease)
+            return ContributionPublic(
+                id=contribution.id,
+                lease_id=lease_id,
+                run_id=contribution.run_id,
+                round=contribution.round,
+                path_index=path_index,
+                tokens=contribution.tokens,
+                train_loss=contribution.train_loss,
+                status="accepted",
+                round_applied=applied,
+            )
+
+    try:
+        return await run_in_threadpool(_submit)
+    finally:
+        body.unlink(missing_ok=True)
+
+
+@router.post("/leases/{lease_id}/release", response_model=LeaseStatus)
+def release(lease_id: int, session: SessionDep, principal: PrincipalDep) -> LeaseStatus:
+    """Give a lease back at once (e.g. on Ctrl-C) so its path goes back to the pool without waiting the TTL."""
+    require(principal, "island")
+    assert principal.island_id is not None
+    lease = leases.release_lease(session, lease_id, principal.island_id)
+    return LeaseStatus(lease_id=lease.id, status=lease.status)  # type: ignore[arg-type]

@@ -1,0 +1,80 @@
+"""The coordinator's FastAPI application: `create_app(settings)`; the lifespan owns engine and blob store."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import datetime
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from coordinator import db
+from coordinator.api.deps import AppState
+from coordinator.api.routes import health, islands, leases, registry, runs
+from coordinator.auth import load_service_tokens
+from coordinator.blobstore import BlobError, LocalBlobStore
+from coordinator.errors import ServiceError
+from coordinator.services.rounds import apply_ready_rounds
+from coordinator.settings import Settings
+from coordinator.timeutil import utcnow
+
+log = logging.getLogger(__name__)
+
+
+def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -> AppState:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    url = settings.resolved_database_url
+    if settings.migrate_on_start:
+        db.upgrade(url)
+    engine = db.make_engine(url)
+    blobs = LocalBlobStore(settings.resolved_blob_dir)
+    spool = settings.data_dir.resolve() / "spool"
+    spool.mkdir(parents=True, exist_ok=True)
+    return AppState(
+        settings=settings,
+        engine=engine,
+        sessions=db.make_sessionmaker(engine),
+        blobs=blobs,
+        tokens=load_service_tokens(settings),
+        clock=clock,
+        spool_dir=spool,
+    )
+
+
+def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = build_state(settings, clock=clock)
+        app.state.dipaco = state
+        if state.tokens.generated_file is not None:
+            log.info("admin and join tokens are in %s", state.tokens.generated_file)
+        with state.sessions() as session:
+            recovered = apply_ready_rounds(session, state.blobs, now=clock())
+            if recovered:
+                log.info("applied %d complete round(s) left over from before a restart", recovered)
+        try:
+            yield
+        finally:
+            state.engine.dispose()
+
+    app = FastAPI(
+        title="dipaco coordinator",
+        description="Registry and round protocol for DiPaCo / DiLoCo training across islands.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
+
+    @app.exception_handler(BlobError)
+    async def _blob_error(_: Request, exc: BlobError) -> JSONResponse:
+        log.error("blob store: %s", exc)
+        return JSONResponse(status_code=500, content={"detail": f"blob store: {exc}"})
+
+    for module in (health, runs, registry, islands, leases):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,200 @@
+"""Registry tables (SQLAlchemy 2.0 typed ORM). Alembic (migrations/) is the only writer of the schema."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# BIGINT on PostgreSQL; plain INTEGER on SQLite, where only "INTEGER PRIMARY KEY" auto-increments.
+BigInt = BigInteger().with_variant(Integer(), "sqlite")
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {datetime: DateTime(timezone=True), dict[str, Any]: JSON, int: BigInt}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    status: Mapped[str] = mapped_column(String(32))  # waiting_for_shards | running | finished
+    layout: Mapped[str] = mapped_column(String(2000))
+    config: Mapped[dict[str, Any]]
+    num_paths: Mapped[int]
+    inner_steps: Mapped[int]
+    num_rounds: Mapped[int]
+    current_round: Mapped[int] = mapped_column(default=0)
+    seed: Mapped[int]
+    lease_ttl_s: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    levels: Mapped[list[Level]] = relationship(back_populates="run", order_by="Level.index", lazy="raise")
+
+
+class Level(Base):
+    __tablename__ = "levels"
+    __table_args__ = (UniqueConstraint("run_id", "index"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(64))
+    sharing: Mapped[str] = mapped_column(String(32))  # shared | routed | path_private
+    num_modules: Mapped[int]
+
+    run: Mapped[Run] = relationship(back_populates="levels", lazy="raise")
+
+
+class Module(Base):
+    __tablename__ = "modules"
+    __table_args__ = (UniqueConstraint("run_id", "level_index", "index"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    level_id: Mapped[int] = mapped_column(ForeignKey("levels.id", ondelete="CASCADE"))
+    level_index: Mapped[int] = mapped_column(Integer)
+    index: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int] = mapped_column(default=0)
+    weights_hash: Mapped[str] = mapped_column(String(64))
+    momentum_hash: Mapped[str | None] = mapped_column(String(64))
+    num_params: Mapped[int]
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    level: Mapped[Level] = relationship(lazy="raise")
+
+
+class ModuleVersion(Base):
+    """History: every version of every module, for rollback and evaluation."""
+
+    __tablename__ = "module_versions"
+    __table_args__ = (UniqueConstraint("module_id", "version"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    module_id: Mapped[int] = mapped_column(ForeignKey("modules.id", ondelete="CASCADE"))
+    version: Mapped[int]
+    weights_hash: Mapped[str] = mapped_column(String(64))
+    momentum_hash: Mapped[str | None] = mapped_column(String(64))
+    round: Mapped[int | None] = mapped_column(comment="Round whose outer step produced it; NULL for init")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Path(Base):
+    __tablename__ = "paths"
+    __table_args__ = (UniqueConstraint("run_id", "index"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(default=0)
+    token_offset: Mapped[int] = mapped_column(default=0)
+    tokens_trained: Mapped[int] = mapped_column(default=0)
+    last_train_loss: Mapped[float | None] = mapped_column(Float)
+    last_island_id: Mapped[int | None] = mapped_column(ForeignKey("islands.id", ondelete="SET NULL"))
+
+    modules: Mapped[list[PathModule]] = relationship(order_by="PathModule.level_index", lazy="raise")
+
+
+class PathModule(Base):
+    __tablename__ = "path_modules"
+    path_id: Mapped[int] = mapped_column(ForeignKey("paths.id", ondelete="CASCADE"), primary_key=True)
+    level_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    module_id: Mapped[int] = mapped_column(ForeignKey("modules.id", ondelete="CASCADE"), index=True)
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+    __table_args__ = (UniqueConstraint("run_id", "path_index"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    path_index: Mapped[int] = mapped_column(Integer)
+    tokens_hash: Mapped[str] = mapped_column(String(64))
+    num_tokens: Mapped[int]
+    num_documents: Mapped[int]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Island(Base):
+    __tablename__ = "islands"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    site: Mapped[str] = mapped_column(String(200))
+    capabilities: Mapped[dict[str, Any]]
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16))  # active | left | revoked
+    last_heartbeat: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Lease(Base):
+    __tablename__ = "leases"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    island_id: Mapped[int] = mapped_column(ForeignKey("islands.id", ondelete="CASCADE"), index=True)
+    path_id: Mapped[int] = mapped_column(ForeignKey("paths.id", ondelete="CASCADE"))
+    round: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16), index=True)  # active | submitted | expired | released
+    base_versions: Mapped[dict[str, Any]]  # {module_id: version}
+    token_start: Mapped[int]
+    token_end: Mapped[int]
+    epoch: Mapped[int]
+    issued_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+
+
+class Contribution(Base):
+    __tablename__ = "contributions"
+    __table_args__ = (UniqueConstraint("lease_id"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"))
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    round: Mapped[int]
+    path_id: Mapped[int] = mapped_column(ForeignKey("paths.id", ondelete="CASCADE"))
+    tokens: Mapped[int]
+    train_loss: Mapped[float] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16))  # accepted
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    grads: Mapped[list[ContributionGrad]] = relationship(lazy="raise")
+
+
+class ContributionGrad(Base):
+    """One module's outer gradient inside a contribution (a safetensors blob)."""
+
+    __tablename__ = "contribution_grads"
+    contribution_id: Mapped[int] = mapped_column(
+        ForeignKey("contributions.id", ondelete="CASCADE"), primary_key=True
+    )
+    module_id: Mapped[int] = mapped_column(ForeignKey("modules.id", ondelete="CASCADE"), primary_key=True)
+    blob_hash: Mapped[str] = mapped_column(String(64))
+
+
+class Round(Base):
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("run_id", "number"),)
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    number: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16))  # open | applied
+    applied_at: Mapped[datetime | None]

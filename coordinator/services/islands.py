@@ -1,0 +1,62 @@
+"""Islands: join, heartbeat (extends the island's leases), leave, revoke."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from coordinator.auth import hash_token, new_token
+from coordinator.errors import NotFound
+from coordinator.models import Island, Lease, Run
+from coordinator.schemas import IslandJoin
+from coordinator.services.leases import expire_stale_leases
+
+
+def join(session: Session, spec: IslandJoin, *, now: datetime) -> tuple[Island, str]:
+    token = new_token("island")
+    island = Island(
+        name=spec.name,
+        site=spec.site,
+        capabilities=spec.capabilities.model_dump(),
+        token_hash=hash_token(token),
+        status="active",
+        last_heartbeat=now,
+        created_at=now,
+    )
+    session.add(island)
+    session.commit()
+    return island, token
+
+
+def get_island(session: Session, island_id: int) -> Island:
+    island = session.get(Island, island_id)
+    if island is None:
+        raise NotFound(f"island {island_id} does not exist")
+    return island
+
+
+def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
+    """Record liveness and extend the island's active leases; returns the ids still active."""
+    island = get_island(session, island_id)
+    island.last_heartbeat = now
+    expire_stale_leases(session, now=now)
+    rows = session.execute(
+        select(Lease, Run.lease_ttl_s)
+        .join(Run, Run.id == Lease.run_id)
+        .where(Lease.island_id == island_id, Lease.status == "active")
+    ).all()
+    for lease, ttl in rows:
+        lease.expires_at = now + timedelta(seconds=ttl)
+    session.commit()
+    return [lease.id for lease, _ in rows]
+
+
+def leave(session: Session, island_id: int, *, status: str = "left") -> None:
+    """The island leaves (or is revoked): its active leases go back to the pool at once."""
+    island = get_island(session, island_id)
+    island.status = status
+    for lease in session.scalars(select(Lease).where(Lease.island_id == island_id, Lease.status == "active")):
+        lease.status = "released"
+    session.commit()

@@ -1,0 +1,177 @@
+"""Registry reads: rows -> public schemas, with filters and pagination."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Select, func, select
+from sqlalchemy.orm import Session, selectinload
+
+from coordinator.errors import NotFound
+from coordinator.models import Contribution, Island, Module, Path, PathModule, Round, Run, Shard
+from coordinator.schemas import (
+    IslandCapabilities,
+    IslandPublic,
+    ModulePublic,
+    PathPublic,
+    RoundPublic,
+    RunPublic,
+)
+from coordinator.timeutil import as_utc
+
+
+def _page(session: Session, query: Select[Any], *, offset: int, limit: int) -> tuple[list[Any], int]:
+    count = session.scalar(select(func.count()).select_from(query.order_by(None).subquery())) or 0
+    rows = list(session.scalars(query.offset(offset).limit(limit)))
+    return rows, count
+
+
+def run_public(run: Run) -> RunPublic:
+    return RunPublic(
+        id=run.id,
+        name=run.name,
+        status=run.status,  # type: ignore[arg-type]
+        current_round=run.current_round,
+        num_rounds=run.num_rounds,
+        num_paths=run.num_paths,
+        inner_steps=run.inner_steps,
+        layout=run.layout,
+        config=run.config,
+        created_at=as_utc(run.created_at),
+    )
+
+
+def list_runs(
+    session: Session, *, status: str | None, offset: int, limit: int
+) -> tuple[list[RunPublic], int]:
+    q = select(Run).order_by(Run.id)
+    if status:
+        q = q.where(Run.status == status)
+    rows, count = _page(session, q, offset=offset, limit=limit)
+    return [run_public(r) for r in rows], count
+
+
+def module_public(m: Module) -> ModulePublic:
+    return ModulePublic(
+        id=m.id,
+        run_id=m.run_id,
+        level=m.level_index,
+        level_name=m.level.name,
+        index=m.index,
+        sharing=m.level.sharing,
+        version=m.version,
+        weights_hash=m.weights_hash,
+        num_params=m.num_params,
+        updated_at=as_utc(m.updated_at),
+    )
+
+
+def list_modules(
+    session: Session, *, run_id: int | None, level: int | None, offset: int, limit: int
+) -> tuple[list[ModulePublic], int]:
+    q = (
+        select(Module)
+        .options(selectinload(Module.level))
+        .order_by(Module.run_id, Module.level_index, Module.index)
+    )
+    if run_id is not None:
+        q = q.where(Module.run_id == run_id)
+    if level is not None:
+        q = q.where(Module.level_index == level)
+    rows, count = _page(session, q, offset=offset, limit=limit)
+    return [module_public(m) for m in rows], count
+
+
+def get_module(session: Session, module_id: int) -> Module:
+    m = session.scalar(select(Module).where(Module.id == module_id).options(selectinload(Module.level)))
+    if m is None:
+        raise NotFound(f"module {module_id} does not exist")
+    return m
+
+
+def path_public(session: Session, p: Path) -> PathPublic:
+    rows = session.execute(
+        select(PathModule.module_id, Module.index)
+        .join(Module, Module.id == PathModule.module_id)
+        .where(PathModule.path_id == p.id)
+        .order_by(PathModule.level_index)
+    ).all()
+    shard_id = session.scalar(select(Shard.id).where(Shard.run_id == p.run_id, Shard.path_index == p.index))
+    return PathPublic(
+        id=p.id,
+        run_id=p.run_id,
+        index=p.index,
+        module_ids=[r[0] for r in rows],
+        module_indices=[r[1] for r in rows],
+        shard_id=shard_id,
+        epoch=p.epoch,
+        token_offset=p.token_offset,
+        tokens_trained=p.tokens_trained,
+        last_train_loss=p.last_train_loss,
+    )
+
+
+def list_paths(
+    session: Session, *, run_id: int | None, offset: int, limit: int
+) -> tuple[list[PathPublic], int]:
+    q = select(Path).order_by(Path.run_id, Path.index)
+    if run_id is not None:
+        q = q.where(Path.run_id == run_id)
+    rows, count = _page(session, q, offset=offset, limit=limit)
+    return [path_public(session, p) for p in rows], count
+
+
+def get_path(session: Session, path_id: int) -> PathPublic:
+    p = session.get(Path, path_id)
+    if p is None:
+        raise NotFound(f"path {path_id} does not exist")
+    return path_public(session, p)
+
+
+def island_public(i: Island) -> IslandPublic:
+    return IslandPublic(
+        id=i.id,
+        name=i.name,
+        site=i.site,
+        status=i.status,  # type: ignore[arg-type]
+        capabilities=IslandCapabilities(**i.capabilities),
+        last_heartbeat=as_utc(i.last_heartbeat) if i.last_heartbeat else None,
+        created_at=as_utc(i.created_at),
+    )
+
+
+def list_islands(
+    session: Session, *, status: str | None, offset: int, limit: int
+) -> tuple[list[IslandPublic], int]:
+    q = select(Island).order_by(Island.id)
+    if status:
+        q = q.where(Island.status == status)
+    rows, count = _page(session, q, offset=offset, limit=limit)
+    return [island_public(i) for i in rows], count
+
+
+def list_rounds(session: Session, run_id: int) -> list[RoundPublic]:
+    if session.get(Run, run_id) is None:
+        raise NotFound(f"run {run_id} does not exist")
+    stats = {
+        number: (n, loss)
+        for number, n, loss in session.execute(
+            select(Contribution.round, func.count(), func.avg(Contribution.train_loss))
+            .where(Contribution.run_id == run_id, Contribution.status == "accepted")
+            .group_by(Contribution.round)
+        )
+    }
+    out = []
+    for r in session.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.number)):
+        n, loss = stats.get(r.number, (0, None))
+        out.append(
+            RoundPublic(
+                run_id=run_id,
+                number=r.number,
+                status=r.status,  # type: ignore[arg-type]
+                contributions=n,
+                mean_train_loss=float(loss) if loss is not None else None,
+                applied_at=as_utc(r.applied_at) if r.applied_at else None,
+            )
+        )
+    return out

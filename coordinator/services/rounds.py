@@ -1,0 +1,102 @@
+"""Closing a round: when every path has contributed, each module takes one outer Nesterov step on the mean
+outer gradient of the paths through it (DiPaCo Alg. 1), and the run moves to the next round.
+
+The apply is one transaction that starts by flipping the round from `open` to `applied` with a conditional
+UPDATE: only one caller (thread, process or coordinator replica) can win it, and a crash before commit leaves
+the round open with nothing changed, so the apply is re-done later exactly once. Outer gradients are folded one
+contribution at a time, so memory is O(module size) whatever the number of paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from datetime import datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from coordinator.blobstore import LocalBlobStore
+from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
+from modules import OuterConfig, accumulate, decode, encode, nesterov_step
+
+log = logging.getLogger(__name__)
+
+
+def maybe_apply_round(session: Session, blobs: LocalBlobStore, run_id: int, *, now: datetime) -> bool:
+    """Apply the run's current round if every path contributed; True if this call applied it."""
+    run = session.scalar(select(Run).where(Run.id == run_id).with_for_update())
+    if run is None or run.status != "running":
+        session.rollback()
+        return False
+    number = run.current_round
+    contributed = session.scalar(
+        select(func.count(func.distinct(Contribution.path_id))).where(
+            Contribution.run_id == run.id, Contribution.round == number, Contribution.status == "accepted"
+        )
+    )
+    if (contributed or 0) < run.num_paths:
+        session.rollback()
+        return False
+    won = session.execute(
+        update(Round)
+        .where(Round.run_id == run.id, Round.number == number, Round.status == "open")
+        .values(status="applied", applied_at=now)
+    )
+    if won.rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()
+        return False
+
+    grads: dict[int, list[str]] = defaultdict(list)
+    for module_id, blob_hash in session.execute(
+        select(ContributionGrad.module_id, ContributionGrad.blob_hash)
+        .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
+        .where(Contribution.run_id == run.id, Contribution.round == number, Contribution.status == "accepted")
+        .order_by(Contribution.path_id)
+    ):
+        grads[module_id].append(blob_hash)
+    outer = OuterConfig(**run.config["outer"])
+    for module in session.scalars(select(Module).where(Module.run_id == run.id).order_by(Module.id)):
+        hashes = grads.get(module.id)
+        if not hashes:
+            continue  # no path through this module contributed: weights and momentum stay as they are
+        acc = None
+        for digest in hashes:
+            acc = accumulate(acc, decode(blobs.get_bytes(digest)), 1.0)
+        assert acc is not None
+        mean = {name: t / len(hashes) for name, t in acc.items()}
+        params = decode(blobs.get_bytes(module.weights_hash))
+        momentum = decode(blobs.get_bytes(module.momentum_hash)) if module.momentum_hash else None
+        new_params, new_momentum = nesterov_step(params, mean, momentum, outer)
+        module.weights_hash = blobs.put_bytes(encode(new_params))
+        module.momentum_hash = blobs.put_bytes(encode(new_momentum))
+        module.version += 1
+        module.updated_at = now
+        session.add(
+            ModuleVersion(
+                module_id=module.id,
+                version=module.version,
+                weights_hash=module.weights_hash,
+                momentum_hash=module.momentum_hash,
+                round=number,
+                created_at=now,
+            )
+        )
+    run.current_round = number + 1
+    if run.current_round >= run.num_rounds:
+        run.status = "finished"
+    else:
+        session.add(Round(run_id=run.id, number=run.current_round, status="open"))
+    session.commit()
+    log.info("run %s: round %s applied (%s paths)", run.id, number, run.num_paths)
+    return True
+
+
+def apply_ready_rounds(session: Session, blobs: LocalBlobStore, *, now: datetime) -> int:
+    """Recovery sweep (start-up, lease requests): apply any round that is complete but not yet applied."""
+    applied = 0
+    run_ids = session.scalars(select(Run.id).where(Run.status == "running")).all()
+    session.rollback()
+    for run_id in run_ids:
+        applied += int(maybe_apply_round(session, blobs, run_id, now=now))
+    return applied

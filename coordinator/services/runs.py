@@ -1,0 +1,125 @@
+"""Creating runs: model config, level layout, initial module weights (version 0), paths and round 0."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from coordinator.blobstore import LocalBlobStore
+from coordinator.errors import Conflict, Invalid, NotFound
+from coordinator.models import Level, Module, ModuleVersion, Path, PathModule, Round, Run
+from coordinator.schemas import RunCreate
+from modules import InnerConfig, LayoutError, ModelConfig, encode, flavour, init_level_modules, parse_layout
+from modules.layout import Layout
+
+
+def model_config(spec: RunCreate) -> ModelConfig:
+    try:
+        base = flavour(spec.model.flavour).to_dict()
+        base.update({k: v for k, v in spec.model.model_dump(exclude={"flavour"}).items() if v is not None})
+        return ModelConfig.from_dict(base)
+    except ValueError as exc:
+        raise Invalid(f"model: {exc}") from exc
+
+
+def run_model_config(run: Run) -> ModelConfig:
+    return ModelConfig.from_dict(run.config["model"])
+
+
+def run_layout(run: Run) -> Layout:
+    return parse_layout(run.layout, n_layers=run.config["model"]["n_layers"])
+
+
+def run_inner_config(run: Run) -> InnerConfig:
+    return InnerConfig(**run.config["inner"])
+
+
+def tokens_per_lease(run: Run) -> int:
+    """Tokens one lease reads: H steps of batch x seq_len, plus one for the last target."""
+    cfg = run.config
+    return run.inner_steps * cfg["inner"]["batch_size"] * cfg["model"]["seq_len"] + 1
+
+
+def create_run(session: Session, blobs: LocalBlobStore, spec: RunCreate) -> Run:
+    cfg = model_config(spec)
+    try:
+        layout = parse_layout(spec.layout, n_layers=cfg.n_layers)
+    except LayoutError as exc:
+        raise Invalid(f"layout: {exc}") from exc
+    if session.scalar(select(func.count()).select_from(Run).where(Run.name == spec.name)):
+        raise Conflict(f"a run named {spec.name!r} already exists")
+    inner = InnerConfig(**spec.inner.model_dump(), total_steps=spec.num_rounds * spec.inner_steps)
+    config: dict[str, Any] = {
+        "model": cfg.to_dict(),
+        "inner": dataclasses.asdict(inner),
+        "outer": spec.outer.model_dump(),
+    }
+    run = Run(
+        name=spec.name,
+        status="waiting_for_shards",
+        layout=layout.spec(),
+        config=config,
+        num_paths=layout.num_paths,
+        inner_steps=spec.inner_steps,
+        num_rounds=spec.num_rounds,
+        current_round=0,
+        seed=spec.seed,
+        lease_ttl_s=spec.lease_ttl_s,
+    )
+    session.add(run)
+    session.flush()
+    init = init_level_modules(cfg, layout, seed=spec.seed)
+    module_ids: list[list[int]] = []
+    for li, level in enumerate(layout.levels):
+        row = Level(
+            run_id=run.id,
+            index=li,
+            name=level.name,
+            sharing=level.sharing,
+            num_modules=layout.num_modules(li),
+        )
+        session.add(row)
+        session.flush()
+        digest = blobs.put_bytes(encode(init[li]))
+        num_params = sum(t.numel() for t in init[li].values())
+        ids = []
+        for mi in range(layout.num_modules(li)):
+            module = Module(
+                run_id=run.id,
+                level_id=row.id,
+                level_index=li,
+                index=mi,
+                version=0,
+                weights_hash=digest,
+                momentum_hash=None,
+                num_params=num_params,
+            )
+            session.add(module)
+            session.flush()
+            session.add(ModuleVersion(module_id=module.id, version=0, weights_hash=digest, round=None))
+            ids.append(module.id)
+        module_ids.append(ids)
+    for p in range(layout.num_paths):
+        path = Path(run_id=run.id, index=p)
+        session.add(path)
+        session.flush()
+        for li, mi in enumerate(layout.path_modules(p)):
+            session.add(PathModule(path_id=path.id, level_index=li, module_id=module_ids[li][mi]))
+    session.add(Round(run_id=run.id, number=0, status="open"))
+    try:
+        session.commit()
+    except IntegrityError as exc:
+        session.rollback()
+        raise Conflict(f"a run named {spec.name!r} already exists") from exc
+    return run
+
+
+def get_run(session: Session, run_id: int) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"run {run_id} does not exist")
+    return run

@@ -1,0 +1,67 @@
+"""Registering a path's shard: a little-endian uint16 token file, validated, then stored as a blob."""
+
+from __future__ import annotations
+
+from pathlib import Path as FilePath
+
+import numpy as np
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from coordinator.blobstore import LocalBlobStore
+from coordinator.errors import Conflict, Invalid, NotFound
+from coordinator.models import Shard
+from coordinator.services.runs import get_run, tokens_per_lease
+
+
+def register_shard(
+    session: Session,
+    blobs: LocalBlobStore,
+    *,
+    run_id: int,
+    path_index: int,
+    body: FilePath,
+    num_documents: int,
+) -> Shard:
+    run = get_run(session, run_id)
+    if run.status != "waiting_for_shards":
+        raise Conflict(f"run {run_id} is {run.status}; shards can only be registered before training starts")
+    if not 0 <= path_index < run.num_paths:
+        raise NotFound(f"path {path_index} does not exist: run {run_id} has paths 0..{run.num_paths - 1}")
+    if num_documents < 1:
+        raise Invalid(f"num_documents must be >= 1, got {num_documents}")
+    size = body.stat().st_size
+    if size % 2:
+        raise Invalid(f"shard body has {size} bytes; a token file holds 2-byte (uint16) tokens")
+    tokens = np.memmap(body, dtype="<u2", mode="r") if size else np.zeros(0, dtype="<u2")
+    vocab = run.config["model"]["vocab_size"]
+    if size and int(tokens.max()) >= vocab:
+        raise Invalid(f"shard holds token id {int(tokens.max())}, the model's vocabulary is {vocab}")
+    need = tokens_per_lease(run)
+    if tokens.size < need:
+        raise Invalid(
+            f"shard for path {path_index} has {tokens.size} tokens; one round needs {need} "
+            f"(inner_steps x batch_size x seq_len + 1)"
+        )
+    with body.open("rb") as f:
+        digest, _ = blobs.put_stream(f)
+    shard = session.scalar(select(Shard).where(Shard.run_id == run_id, Shard.path_index == path_index))
+    if shard is None:
+        shard = Shard(run_id=run_id, path_index=path_index)
+        session.add(shard)
+    shard.tokens_hash = digest
+    shard.num_tokens = int(tokens.size)
+    shard.num_documents = num_documents
+    session.flush()
+    registered = session.scalar(select(func.count()).select_from(Shard).where(Shard.run_id == run_id))
+    if registered == run.num_paths:
+        run.status = "running"
+    session.commit()
+    return shard
+
+
+def get_shard(session: Session, shard_id: int) -> Shard:
+    shard = session.get(Shard, shard_id)
+    if shard is None:
+        raise NotFound(f"shard {shard_id} does not exist")
+    return shard

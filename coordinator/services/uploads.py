@@ -1,0 +1,162 @@
+"""Accepting outer gradients: validate everything first, then store one blob per module and commit.
+
+An upload is checked against its lease (owned, issued for the run's current round, path not yet done, base
+module versions current) and its payload (safetensors header, exact tensor names, F32 dtype, shapes, finite
+values) before anything is written, so a rejected upload changes nothing. A retry of an accepted lease returns
+the same contribution (idempotent).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from pathlib import Path as FilePath
+
+import torch
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from coordinator.blobstore import LocalBlobStore
+from coordinator.errors import Conflict, Forbidden, Invalid
+from coordinator.models import Contribution, ContributionGrad, Lease, Module, Path, Run
+from coordinator.schemas import GRAD_KEY_SEP
+from coordinator.services.leases import get_lease
+from coordinator.services.runs import run_layout, run_model_config
+from modules import CodecError, decode, encode, level_param_shapes
+from modules.codec import read_header
+
+
+def submit_outer_gradients(
+    session: Session,
+    blobs: LocalBlobStore,
+    *,
+    lease_id: int,
+    island_id: int,
+    round_header: int | None,
+    tokens: int,
+    train_loss: float,
+    body: FilePath,
+    now: datetime,
+) -> tuple[Contribution, bool]:
+    """Returns (contribution, created); created is False for an idempotent retry."""
+    lease = get_lease(session, lease_id)
+    if lease.island_id != island_id:
+        raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
+    existing = session.scalar(select(Contribution).where(Contribution.lease_id == lease_id))
+    if existing is not None:
+        return existing, False
+    run = session.scalar(select(Run).where(Run.id == lease.run_id).with_for_update())
+    assert run is not None
+    if round_header is not None and round_header != lease.round:
+        raise Conflict(
+            f"upload is for round {round_header}, lease {lease_id} was issued for round {lease.round}"
+        )
+    if run.status != "running" or run.current_round != lease.round:
+        raise Conflict(
+            f"lease {lease_id} was issued for round {lease.round}, the run is at round {run.current_round}"
+            + (" and finished" if run.status == "finished" else "")
+        )
+    if lease.status == "released":
+        raise Conflict(f"lease {lease_id} was released; ask for a new lease")
+    done = session.scalar(
+        select(Lease.id).where(
+            Lease.path_id == lease.path_id, Lease.round == lease.round, Lease.status == "submitted"
+        )
+    )
+    if done is not None:
+        raise Conflict(
+            f"path of lease {lease_id} already has a contribution for round {lease.round} (lease {done})"
+        )
+    if tokens < 0:
+        raise Invalid(f"tokens must be >= 0, got {tokens}")
+    if not math.isfinite(train_loss):
+        raise Invalid(f"train loss must be finite, got {train_loss}")
+
+    path = session.scalar(select(Path).where(Path.id == lease.path_id).options(selectinload(Path.modules)))
+    assert path is not None
+    modules = {
+        m.level_index: m
+        for m in session.scalars(
+            select(Module)
+            .where(Module.id.in_([pm.module_id for pm in path.modules]))
+            .options(selectinload(Module.level))
+        )
+    }
+    for m in modules.values():
+        base = int(lease.base_versions[str(m.id)])
+        if base != m.version:
+            raise Conflict(
+                f"lease {lease_id} trained module {m.id} version {base}, the module is at {m.version}"
+            )
+
+    grads = _validated_payload(body.read_bytes(), run, modules)
+
+    contribution = Contribution(
+        lease_id=lease.id,
+        run_id=run.id,
+        round=lease.round,
+        path_id=path.id,
+        tokens=tokens,
+        train_loss=train_loss,
+        status="accepted",
+        created_at=now,
+    )
+    session.add(contribution)
+    session.flush()
+    for level_index, tensors in grads.items():
+        digest = blobs.put_bytes(encode(tensors))
+        session.add(
+            ContributionGrad(
+                contribution_id=contribution.id, module_id=modules[level_index].id, blob_hash=digest
+            )
+        )
+    lease.status = "submitted"
+    path.token_offset = lease.token_end - 1  # the last target token is the next range's first input
+    path.epoch = lease.epoch
+    path.tokens_trained += tokens
+    path.last_train_loss = train_loss
+    path.last_island_id = island_id
+    session.commit()
+    return contribution, True
+
+
+def _validated_payload(
+    data: bytes, run: Run, modules: dict[int, Module]
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Check the safetensors payload against the path's modules; returns level index -> tensors."""
+    cfg, layout = run_model_config(run), run_layout(run)
+    expected: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for level_index, module in modules.items():
+        for param, shape in level_param_shapes(cfg, layout, level_index).items():
+            expected[f"{module.level.name}{GRAD_KEY_SEP}{param}"] = (level_index, shape)
+    try:
+        header = read_header(data)
+    except CodecError as exc:
+        raise Invalid(f"outer-gradient payload: {exc}") from exc
+    unknown = sorted(set(header) - set(expected))
+    if unknown:
+        raise Invalid(
+            f"unknown tensor {unknown[0]!r} in outer-gradient payload; expected names like "
+            f"{next(iter(expected))!r}"
+        )
+    missing = sorted(set(expected) - set(header))
+    if missing:
+        raise Invalid(f"outer-gradient payload is missing {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    for name, info in header.items():
+        dtype, shape = info.get("dtype"), tuple(info.get("shape", ()))  # type: ignore[call-overload]
+        if dtype != "F32":
+            raise Invalid(f"tensor {name!r} has dtype {dtype}, expected F32")
+        if shape != expected[name][1]:
+            raise Invalid(f"tensor {name!r} has shape {list(shape)}, expected {list(expected[name][1])}")
+    try:
+        tensors = decode(data)
+    except CodecError as exc:
+        raise Invalid(f"outer-gradient payload: {exc}") from exc
+    out: dict[int, dict[str, torch.Tensor]] = {li: {} for li in modules}
+    for name, tensor in tensors.items():
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise Invalid(f"tensor {name!r} has {bad} non-finite value(s) (NaN/Inf)")
+        level_index, _ = expected[name]
+        out[level_index][name.split(GRAD_KEY_SEP, 1)[1]] = tensor
+    return out

@@ -1,0 +1,52 @@
+"""Coordinator settings: one pydantic-settings class, environment prefix `DIPACO_`.
+
+Timeouts, and how they relate (checked in `check_timeouts`):
+  island HTTP request timeout (60 s, island side) < heartbeat interval * 3 <= run's lease TTL (default 120 s).
+The heartbeat interval is the coordinator's; each run has its own lease TTL (RunCreate.lease_ttl_s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DIPACO_", extra="ignore")
+
+    data_dir: Path = Field(
+        default=Path(".dipaco"), description="Holds the SQLite file, blobs and tokens.json"
+    )
+    database_url: str | None = Field(default=None, description="Default: sqlite:///<data_dir>/dipaco.db")
+    blob_url: str | None = Field(default=None, description="Default: <data_dir>/blobs (a local directory)")
+    admin_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
+    join_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
+    migrate_on_start: bool = Field(default=True, description="Run `alembic upgrade head` on start-up")
+    heartbeat_interval_s: float = Field(default=10.0, gt=0, description="Islands heartbeat this often")
+    max_upload_bytes: int = Field(default=1 << 30, gt=0, description="Cap on one outer-gradient upload")
+    max_shard_bytes: int = Field(default=4 << 30, gt=0, description="Cap on one shard token file")
+
+    @model_validator(mode="after")
+    def _tokens_not_placeholders(self) -> Settings:
+        for name in ("admin_token", "join_token"):
+            value = getattr(self, name)
+            if value is not None and len(value.get_secret_value()) < 16:
+                raise ValueError(f"DIPACO_{name.upper()} must be at least 16 characters")
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'dipaco.db').resolve()}"
+
+    @property
+    def resolved_blob_dir(self) -> Path:
+        if self.blob_url is None:
+            return (self.data_dir / "blobs").resolve()
+        url = self.blob_url
+        if url.startswith("file://"):
+            url = url[len("file://") :]
+        elif "://" in url:
+            raise ValueError(f"blob store {self.blob_url!r}: only local directories (file://) are supported")
+        return Path(url).resolve()

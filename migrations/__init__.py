@@ -1,0 +1,1 @@
+"""Alembic environment and revisions: the only writer of the registry schema."""

@@ -1,0 +1,293 @@
+"""Tensor codecs: safetensors bytes in and out, with a dtype allow-list on decode. Never pickle.
+
+`encode` / `decode` move fp32 tensors (weights, momentum). `encode_grad` / `decode_grad` move outer gradients
+in one of three codecs, recorded in the safetensors metadata (`dipaco.codec`):
+
+* `fp32`: the tensors as they are (4 bytes per value).
+* `bf16`: rounded to bfloat16 (2 bytes per value; relative error <= 2**-8 per value).
+* `int8`: per-block absmax scaling. Each tensor is flattened and cut into blocks of `block_size` values
+  (the last block may be shorter); a block's scale is `absmax / 127` (fp32) and its values are
+  `round(x / scale)` in [-127, 127]. Stored as `NAME::int8` (int8, the tensor's shape) and `NAME::scale`
+  (fp32, one per block); block size in `dipaco.block_size`. Error per value <= scale / 2.
+
+`ErrorFeedback` (sender side) keeps what quantisation lost per tensor name and adds it to the next round's
+gradient, so the error does not accumulate over rounds. `grad_payload_nbytes` gives the exact payload size
+from shapes alone (used for upload size caps and the byte counts in logs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+DEFAULT_ALLOWED = frozenset({"F32"})
+
+
+class CodecError(ValueError):
+    """Bytes that are not a valid safetensors payload of the allowed kind."""
+
+
+def encode(tensors: Mapping[str, torch.Tensor], *, metadata: dict[str, str] | None = None) -> bytes:
+    return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+
+
+def read_header(data: bytes) -> dict[str, dict[str, object]]:
+    """Parse and check the safetensors header without touching tensor data."""
+    if len(data) < 8:
+        raise CodecError(f"payload of {len(data)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CodecError(f"safetensors header claims {n} bytes but only {len(data) - 8} follow")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CodecError(f"safetensors header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CodecError("safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header
+
+
+def decode(data: bytes, *, allowed_dtypes: frozenset[str] = DEFAULT_ALLOWED) -> dict[str, torch.Tensor]:
+    header = read_header(data)
+    for name, info in header.items():
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if dtype not in allowed_dtypes:
+            raise CodecError(f"tensor {name!r} has dtype {dtype}; allowed: {sorted(allowed_dtypes)}")
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise CodecError(f"invalid safetensors payload: {exc}") from exc
+
+
+GradCodec = Literal["fp32", "bf16", "int8"]
+GRAD_CODECS: tuple[GradCodec, ...] = ("fp32", "bf16", "int8")
+DEFAULT_BLOCK_SIZE = 256
+"""int8 block: 256 values share one fp32 scale, i.e. 4/256 = 1.6 % overhead on top of 1 byte per value."""
+
+_INT8_SUFFIX = "::int8"
+_SCALE_SUFFIX = "::scale"
+# The dtypes each codec may carry; decode_grad refuses anything else.
+_CODEC_DTYPES: dict[str, frozenset[str]] = {
+    "fp32": frozenset({"F32"}),
+    "bf16": frozenset({"BF16"}),
+    "int8": frozenset({"I8", "F32"}),
+}
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int8: "I8"}
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "I8": 1}
+# safetensors lays tensors out by dtype (descending enum order: F32 > BF16 > I8) and then by name.
+_DTYPE_RANK = {"F32": 0, "BF16": 1, "I8": 2}
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors payload ({} when absent)."""
+    if len(data) < 8:
+        raise CodecError(f"payload of {len(data)} bytes is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CodecError(f"safetensors header claims {n} bytes but only {len(data) - 8} follow")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CodecError(f"safetensors header is not valid JSON: {exc}") from exc
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CodecError("safetensors __metadata__ is not a string-to-string object")
+    return meta
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in GRAD_CODECS:
+        raise CodecError(f"unknown gradient codec {codec!r}; known: {list(GRAD_CODECS)}")
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size < 1:
+        raise CodecError(f"int8 block_size must be >= 1, got {block_size}")
+
+
+def quantize_int8(
+    t: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block absmax int8: (int8 values with t's shape, fp32 scales of ceil(numel / block_size))."""
+    _check_block_size(block_size)
+    flat = t.detach().float().reshape(-1)
+    n = flat.numel()
+    nblocks = math.ceil(n / block_size)
+    padded = torch.nn.functional.pad(flat, (0, nblocks * block_size - n))
+    # (nblocks * block_size,) -> (nblocks, block_size)
+    blocks = padded.view(nblocks, block_size)
+    scale = blocks.abs().amax(dim=1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block stays all zeros
+    q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(-1)[:n].reshape(t.shape), scale
+
+
+def dequantize_int8(
+    q: torch.Tensor, scale: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE
+) -> torch.Tensor:
+    """Inverse of `quantize_int8` (fp32, q's shape)."""
+    _check_block_size(block_size)
+    flat = q.reshape(-1).float()
+    n = flat.numel()
+    nblocks = math.ceil(n / block_size)
+    if scale.numel() != nblocks:
+        raise CodecError(
+            f"{n} int8 values in blocks of {block_size} need {nblocks} scales, got {scale.numel()}"
+        )
+    padded = torch.nn.functional.pad(flat, (0, nblocks * block_size - n)).view(nblocks, block_size)
+    return (padded * scale.float()[:, None]).reshape(-1)[:n].reshape(q.shape)
+
+
+def _grad_metadata(codec: str, block_size: int) -> dict[str, str]:
+    meta = {"dipaco.codec": codec}
+    if codec == "int8":
+        meta["dipaco.block_size"] = str(block_size)
+    return meta
+
+
+class ErrorFeedback:
+    """Sender-side error feedback: remembers, per tensor name, what the codec lost last time and adds it back.
+
+    Use one per (path, module) on the island: `encode_grad(g, "int8", error_feedback=fb)`. After each encode,
+    `residual[name] = (g + old residual) - decoded`. With `fp32` the residual stays zero.
+    """
+
+    def __init__(self) -> None:
+        self.residual: dict[str, torch.Tensor] = {}
+
+    def compensate(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The gradient plus the residual kept for each name (names never seen get nothing added)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            r = self.residual.get(name)
+            out[name] = t.float() if r is None else t.float() + r
+        return out
+
+    def record(self, sent: Mapping[str, torch.Tensor], decoded: Mapping[str, torch.Tensor]) -> None:
+        """Keep `sent - decoded` as the residual of each name."""
+        for name, t in sent.items():
+            self.residual[name] = t.float() - decoded[name].float()
+
+    def reset(self) -> None:
+        self.residual.clear()
+
+
+def _encode_values(
+    tensors: Mapping[str, torch.Tensor], codec: str, block_size: int
+) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith((_INT8_SUFFIX, _SCALE_SUFFIX)):
+            raise CodecError(f"tensor name {name!r} ends with a reserved codec suffix")
+        t = t.detach().cpu()
+        if codec == "fp32":
+            out[name] = t.float().contiguous()
+        elif codec == "bf16":
+            out[name] = t.to(torch.bfloat16).contiguous()
+        else:
+            q, scale = quantize_int8(t, block_size=block_size)
+            out[name + _INT8_SUFFIX] = q.contiguous()
+            out[name + _SCALE_SUFFIX] = scale.contiguous()
+    return out
+
+
+def encode_grad(
+    tensors: Mapping[str, torch.Tensor],
+    codec: GradCodec,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    error_feedback: ErrorFeedback | None = None,
+) -> bytes:
+    """Encode outer gradients as safetensors in `codec`; with `error_feedback`, compensate and update it."""
+    _check_codec(codec)
+    _check_block_size(block_size)
+    if not all(t.is_floating_point() for t in tensors.values()):
+        raise CodecError("outer gradients must be floating-point tensors")
+    sent = error_feedback.compensate(tensors) if error_feedback is not None else tensors
+    data = st_save(_encode_values(sent, codec, block_size), metadata=_grad_metadata(codec, block_size))
+    if error_feedback is not None:
+        error_feedback.record(sent, decode_grad(data))
+    return data
+
+
+def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
+    """Decode an `encode_grad` payload to fp32 tensors under their original names.
+
+    Refuses (CodecError) an unknown codec, a dtype the codec does not carry, int8 values without their scales
+    (or the reverse), scales of the wrong length, and malformed or truncated payloads.
+    """
+    meta = read_metadata(data)
+    codec = meta.get("dipaco.codec")
+    if codec is None:
+        raise CodecError("payload has no 'dipaco.codec' metadata; it was not written by encode_grad")
+    _check_codec(codec)
+    header = read_header(data)
+    allowed = _CODEC_DTYPES[codec]
+    for name, info in header.items():
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if dtype not in allowed:
+            raise CodecError(f"tensor {name!r} has dtype {dtype}; codec {codec} allows {sorted(allowed)}")
+        if codec == "int8":
+            want = "I8" if name.endswith(_INT8_SUFFIX) else "F32" if name.endswith(_SCALE_SUFFIX) else None
+            if want is None:
+                raise CodecError(f"tensor {name!r} in an int8 payload lacks the ::int8 / ::scale suffix")
+            if dtype != want:
+                raise CodecError(f"tensor {name!r} has dtype {dtype}, expected {want}")
+    try:
+        raw = st_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise CodecError(f"invalid safetensors payload: {exc}") from exc
+    if codec != "int8":
+        return {name: t.float() for name, t in raw.items()}
+    try:
+        block_size = int(meta.get("dipaco.block_size", ""))
+    except ValueError as exc:
+        bad = meta.get("dipaco.block_size")
+        raise CodecError(f"int8 payload has a bad dipaco.block_size {bad!r}") from exc
+    _check_block_size(block_size)
+    values = {n[: -len(_INT8_SUFFIX)]: t for n, t in raw.items() if n.endswith(_INT8_SUFFIX)}
+    scales = {n[: -len(_SCALE_SUFFIX)]: t for n, t in raw.items() if n.endswith(_SCALE_SUFFIX)}
+    if set(values) != set(scales):
+        raise CodecError(f"int8 values and scales do not pair up: {sorted(set(values) ^ set(scales))}")
+    return {name: dequantize_int8(q, scales[name], block_size=block_size) for name, q in values.items()}
+
+
+def grad_payload_nbytes(
+    shapes: Mapping[str, Sequence[int]], codec: GradCodec, *, block_size: int = DEFAULT_BLOCK_SIZE
+) -> int:
+    """Exact size in bytes of `encode_grad` for tensors of these names and shapes (header included).
+
+    Rebuilds the safetensors header the way the library writes it (tensors ordered by dtype then name,
+    compact JSON, padded with spaces to a multiple of 8), so no tensor has to be allocated.
+    """
+    _check_codec(codec)
+    _check_block_size(block_size)
+    entries: list[tuple[str, str, list[int]]] = []
+    for name, shape in shapes.items():
+        dims = [int(d) for d in shape]
+        if codec == "fp32":
+            entries.append((name, "F32", dims))
+        elif codec == "bf16":
+            entries.append((name, "BF16", dims))
+        else:
+            entries.append((name + _INT8_SUFFIX, "I8", dims))
+            entries.append((name + _SCALE_SUFFIX, "F32", [math.ceil(math.prod(dims) / block_size)]))
+    entries.sort(key=lambda e: (_DTYPE_RANK[e[1]], e[0]))
+    header: dict[str, object] = {"__metadata__": _grad_metadata(codec, block_size)}
+    offset = 0
+    for name, dtype, dims in entries:
+        size = math.prod(dims) * _DTYPE_BYTES[dtype]
+        header[name] = {"dtype": dtype, "shape": dims, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    padded = len(text) + (-len(text)) % 8
+    return 8 + padded + offset

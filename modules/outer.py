@@ -1,0 +1,175 @@
+"""DiLoCo / DiPaCo outer optimisation as pure tensor functions (DiLoCo Alg. 1; DiPaCo §2.2, Alg. 1).
+
+Each path trains H inner steps from the current module weights; its *outer gradient* (pseudo-gradient) is
+`base - trained`. A module averages the outer gradients of the paths that use it this round and takes one
+Nesterov momentum step. Functions here never mutate their inputs.
+
+Options (all off by default, so the defaults are DiLoCo's Algorithm 1):
+
+* α weights (DiPaCo §2.7): a path's outer gradient is weighted by the amount of data behind it (tokens
+  trained this round, or its shard size). `alpha_weights` turns per-path counts into weights; the per-module
+  average renormalises over the paths that actually contributed.
+* √n rescale (`OuterConfig.sqrt_rescale`): multiply the weighted mean by √n, n = number of contributing paths.
+* plain averaging (`OuterConfig.method = "average"`): the module becomes the weighted mean of the trained
+  weights, identical to the Nesterov step with lr 1 and momentum 0.
+
+`outer_update` is the one call that does a module's whole round: average, rescale, step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(kw_only=True, slots=True)
+class OuterConfig:
+    """Outer optimizer: SGD with Nesterov momentum, the DiLoCo defaults."""
+
+    lr: float = 0.7
+    """Outer learning rate (DiLoCo uses 0.7)."""
+    momentum: float = 0.9
+    """Nesterov momentum; 0 gives plain outer SGD (lr 1, momentum 0 = plain averaging of trained weights)."""
+    sqrt_rescale: bool = False
+    """Multiply a module's averaged outer gradient by sqrt(number of contributing paths); see `rescale`."""
+    method: Literal["nesterov", "average"] = "nesterov"
+    """`average`: new weights = base - averaged outer gradient (lr and momentum ignored, no momentum kept)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if self.method not in ("nesterov", "average"):
+            raise ValueError(f"outer method must be 'nesterov' or 'average', got {self.method!r}")
+
+
+def pseudo_gradient(base: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor]) -> Tensors:
+    """Outer gradient of one path for one module: base weights minus trained weights."""
+    if set(base) != set(trained):
+        raise KeyError(f"tensor names differ: {sorted(set(base) ^ set(trained))}")
+    return {name: (base[name].float() - trained[name].float()) for name in base}
+
+
+def accumulate(acc: Tensors | None, grad: Mapping[str, torch.Tensor], weight: float) -> Tensors:
+    """Running weighted sum `acc + weight * grad` (one contribution at a time: memory O(module))."""
+    if acc is None:
+        return {name: t.float() * weight for name, t in grad.items()}
+    if set(acc) != set(grad):
+        raise KeyError(f"tensor names differ: {sorted(set(acc) ^ set(grad))}")
+    return {name: acc[name] + grad[name].float() * weight for name in acc}
+
+
+def weighted_average(grads: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> Tensors:
+    """Weighted mean of the outer gradients of the paths that used a module."""
+    if not grads or len(grads) != len(weights):
+        raise ValueError(f"need one weight per gradient and at least one: {len(grads)} vs {len(weights)}")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"weights must sum to > 0, got {total}")
+    acc: Tensors | None = None
+    for grad, w in zip(grads, weights, strict=True):
+        acc = accumulate(acc, grad, w)
+    assert acc is not None
+    return {name: t / total for name, t in acc.items()}
+
+
+def nesterov_step(
+    params: Mapping[str, torch.Tensor],
+    grad: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor] | None,
+    cfg: OuterConfig,
+) -> tuple[Tensors, Tensors]:
+    """One outer step, same rule as `torch.optim.SGD(nesterov=True)`: returns (new params, new momentum).
+
+    buf = mu * buf + g;  p = p - lr * (g + mu * buf).  A missing momentum buffer is zeros (first round).
+    """
+    new_params: Tensors = {}
+    new_mom: Tensors = {}
+    for name, p in params.items():
+        g = grad[name].float()
+        buf = g.clone() if momentum is None else momentum[name].float() * cfg.momentum + g
+        update = g + cfg.momentum * buf
+        new_params[name] = (p.float() - cfg.lr * update).to(p.dtype)
+        new_mom[name] = buf
+    return new_params, new_mom
+
+
+def alpha_weights(counts: Iterable[float]) -> list[float]:
+    """Per-path α weights from token counts or shard sizes (DiPaCo §2.7): α_i = n_i / Σ n_j.
+
+    A path with count 0 gets weight 0 (it contributes nothing); at least one count must be > 0. Only the
+    ratios matter to `weighted_average`, which renormalises over the paths that contributed to a module.
+    """
+    values = [float(c) for c in counts]
+    bad = [c for c in values if not math.isfinite(c) or c < 0]
+    if bad:
+        raise ValueError(f"token counts must be finite and >= 0, got {bad[0]}")
+    total = sum(values)
+    if total <= 0:
+        raise ValueError(f"token counts must sum to > 0, got {values}")
+    return [c / total for c in values]
+
+
+def rescale(grad: Mapping[str, torch.Tensor], num_contributors: int) -> Tensors:
+    """√n rescale of an averaged outer gradient: `g * sqrt(n)`, n = number of contributing paths.
+
+    Formula: with contributions Δ_i and α weights, the module's outer gradient is
+    `sqrt(n) * Σ_i α_i Δ_i / Σ_i α_i`; with uniform weights that is `Σ_i Δ_i / sqrt(n)`.
+    Why: the outer gradients of different paths are close to uncorrelated beyond their common direction, so
+    the norm of their mean shrinks roughly like 1/√n. Without a correction a module shared by many paths
+    (e.g. the embedding, shared by all P) would take steps about √P times smaller than a routed module seen by
+    one path; multiplying by √n keeps the step size comparable across levels of different sharing. This is
+    our reading of the paper's normalisation by the number of paths through a module; it is off by default
+    (DiLoCo's plain mean) and a no-op when n = 1.
+    """
+    if num_contributors < 1:
+        raise ValueError(f"need at least 1 contributing path, got {num_contributors}")
+    factor = math.sqrt(num_contributors)
+    return {name: t.float() * factor for name, t in grad.items()}
+
+
+def outer_update(
+    params: Mapping[str, torch.Tensor],
+    grads: Sequence[Mapping[str, torch.Tensor]],
+    weights: Sequence[float],
+    momentum: Mapping[str, torch.Tensor] | None,
+    cfg: OuterConfig,
+) -> tuple[Tensors, Tensors | None]:
+    """One module's outer round: weighted mean of its paths' outer gradients, optional √n, then the step.
+
+    Returns (new params, new momentum). `grads` holds the outer gradients of the paths that used this module
+    and reported this round, `weights` their α weights (uniform: all 1.0).
+
+    No contribution (`grads` empty, or every weight 0): the module keeps its weights and its momentum
+    buffer is returned as is, neither decayed nor applied. This is what `torch.optim.SGD` does for a
+    parameter whose `.grad` is None: it is skipped. Treating "no data" as a zero gradient instead would still
+    move the module by lr * mu * buf (stale momentum from rounds in which paths did use it) and decay the
+    buffer, so a module nobody trained would drift and lose its momentum merely because its paths were idle
+    or failed. With the skip, a missed round is as if it never happened for that module (style rule 9:
+    never half-applied).
+
+    `method="average"`: new params = params - mean gradient (the weighted mean of the trained weights); the
+    momentum is returned unchanged (it is not used).
+    """
+    if len(grads) != len(weights):
+        raise ValueError(f"need one weight per gradient: {len(grads)} vs {len(weights)}")
+    if any(not w >= 0 for w in weights):
+        raise ValueError(f"weights must be >= 0, got {list(weights)}")
+    # A weight-0 contribution (a path that trained 0 tokens) counts as absent, also for n in the √n rescale.
+    kept = [(g, w) for g, w in zip(grads, weights, strict=True) if w > 0]
+    if not kept:
+        return dict(params), (dict(momentum) if momentum is not None else None)
+    avg = weighted_average([g for g, _ in kept], [w for _, w in kept])
+    if cfg.sqrt_rescale:
+        avg = rescale(avg, len(kept))
+    if cfg.method == "average":
+        new = {name: (p.float() - avg[name]).to(p.dtype) for name, p in params.items()}
+        return new, (dict(momentum) if momentum is not None else None)
+    return nesterov_step(params, avg, momentum, cfg)

@@ -1,0 +1,99 @@
+"""Test helpers that drive the coordinator through its HTTP API, as an island and an admin would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi.testclient import TestClient
+
+from modules import ModelConfig, build_path, decode, encode, parse_layout
+from modules.outer import pseudo_gradient
+from tests.conftest import ADMIN, JOIN
+
+A = {"Authorization": f"Bearer {ADMIN}"}
+J = {"Authorization": f"Bearer {JOIN}"}
+
+TINY_RUN: dict[str, Any] = {
+    "name": "tiny",
+    "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
+    "layout": "embed:shared, b0-0:routed2, b1-1:routed2, head:shared",
+    "inner": {"batch_size": 2, "warmup_steps": 0},
+    "inner_steps": 2,
+    "num_rounds": 3,
+}
+
+
+def create_running_run(client: TestClient, *, num_tokens: int = 400, **overrides: Any) -> dict[str, Any]:
+    spec = {**TINY_RUN, **overrides}
+    r = client.post("/v1/runs", json=spec, headers=A)
+    assert r.status_code == 201, r.text
+    run = r.json()
+    rng = np.random.default_rng(0)
+    for p in range(run["num_paths"]):
+        body = rng.integers(0, 256, num_tokens).astype("<u2").tobytes()
+        s = client.post(f"/v1/runs/{run['id']}/shards/{p}?num_documents=2", content=body, headers=A)
+        assert s.status_code == 201, s.text
+    run = client.get(f"/v1/runs/{run['id']}", headers=A).json()
+    assert run["status"] == "running"
+    return run
+
+
+def join(client: TestClient, name: str = "island") -> tuple[int, dict[str, str]]:
+    r = client.post("/v1/islands", json={"name": name}, headers=J)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    return body["island_id"], {"Authorization": f"Bearer {body['token']}"}
+
+
+def lease(client: TestClient, island_id: int, headers: dict[str, str]) -> dict[str, Any] | None:
+    r = client.post(f"/v1/islands/{island_id}/lease", headers=headers)
+    if r.status_code == 204:
+        return None
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def train_lease(client: TestClient, lease_body: dict[str, Any], headers: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Do what an island does: fetch modules, take a few SGD steps on the shard range, return the upload."""
+    cfg = ModelConfig.from_dict(lease_body["model"])
+    weights = []
+    for m in lease_body["modules"]:
+        r = client.get(f"/v1/modules/{m['module_id']}/weights?version={m['version']}", headers=headers)
+        assert r.status_code == 200, r.text
+        weights.append(decode(r.content))
+    model = build_path(cfg, weights)
+    tok = client.get(f"/v1/shards/{lease_body['shard']['shard_id']}/tokens", headers=headers)
+    tokens = torch.from_numpy(np.frombuffer(tok.content, dtype="<u2").astype(np.int64))
+    chunk = tokens[lease_body["token_start"] : lease_body["token_end"]]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(lease_body["inner_steps"]):
+        x = chunk[: cfg.seq_len].view(1, -1)
+        y = chunk[1 : cfg.seq_len + 1].view(1, -1)
+        opt.zero_grad()
+        model.loss(x, y).backward()
+        opt.step()
+    trained = model.state_dict()
+    grads: dict[str, torch.Tensor] = {}
+    layout = parse_layout(TINY_RUN["layout"], n_layers=cfg.n_layers)
+    for m, base in zip(lease_body["modules"], weights, strict=True):
+        level = layout.levels[m["level"]]
+        g = pseudo_gradient(base, {k: trained[k] for k in base})
+        grads.update({f"{level.name}/{k}": v for k, v in g.items()})
+    return grads
+
+
+def upload(
+    client: TestClient, lease_body: dict[str, Any], headers: dict[str, str], payload: bytes | dict[str, torch.Tensor],
+    *, round_: int | None = None, tokens: int = 32, loss: float = 5.0,
+) -> Any:
+    body = encode(payload) if isinstance(payload, dict) else payload
+    h = {
+        **headers,
+        "X-Dipaco-Round": str(lease_body["round"] if round_ is None else round_),
+        "X-Dipaco-Tokens": str(tokens),
+        "X-Dipaco-Train-Loss": str(loss),
+        "Content-Type": "application/octet-stream",
+    }
+    return client.post(f"/v1/leases/{lease_body['lease_id']}/outer-gradients", content=body, headers=h)

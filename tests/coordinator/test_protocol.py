@@ -1,0 +1,223 @@
+"""The round protocol through the real app on SQLite and PostgreSQL: runs, shards, leases, uploads, apply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.settings import Settings
+from modules import OuterConfig, decode, nesterov_step
+from tests.conftest import FakeClock
+from tests.coordinator.helpers import A, J, TINY_RUN, create_running_run, join, lease, train_lease, upload
+
+
+@pytest.fixture
+def client(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
+    with TestClient(create_app(settings, clock=clock)) as c:
+        yield c
+
+
+def test_create_run_registers_modules_paths_and_round_zero(client: TestClient) -> None:
+    run = client.post("/v1/runs", json=TINY_RUN, headers=A).json()
+    assert run["status"] == "waiting_for_shards" and run["num_paths"] == 4
+    modules = client.get(f"/v1/modules?run_id={run['id']}", headers=A).json()
+    assert modules["count"] == 6  # embed, 2 + 2 routed, head
+    assert [(m["level"], m["index"], m["version"]) for m in modules["data"]] == [
+        (0, 0, 0), (1, 0, 0), (1, 1, 0), (2, 0, 0), (2, 1, 0), (3, 0, 0)
+    ]
+    # every module of a level starts from the same weights (paper §2.2)
+    assert modules["data"][1]["weights_hash"] == modules["data"][2]["weights_hash"]
+    paths = client.get(f"/v1/paths?run_id={run['id']}", headers=A).json()
+    assert paths["count"] == 4
+    assert [p["module_indices"] for p in paths["data"]] == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 1, 0, 0], [0, 1, 1, 0]]
+    rounds = client.get(f"/v1/runs/{run['id']}/rounds", headers=A).json()
+    assert rounds["data"][0]["status"] == "open"
+    level1 = client.get(f"/v1/modules?run_id={run['id']}&level=1", headers=A).json()
+    assert level1["count"] == 2
+
+
+def test_run_input_errors_name_the_problem(client: TestClient) -> None:
+    bad = client.post("/v1/runs", json={**TINY_RUN, "layout": "embed:shared, b0-0:routed2, head:shared"}, headers=A)
+    assert bad.status_code == 422
+    assert bad.json()["detail"] == "layout: blocks [1] are in no level; every block must belong to exactly one level"
+    assert client.post("/v1/runs", json=TINY_RUN, headers=A).status_code == 201
+    dup = client.post("/v1/runs", json=TINY_RUN, headers=A)
+    assert dup.status_code == 409 and dup.json()["detail"] == "a run named 'tiny' already exists"
+    assert client.get("/v1/runs", headers=A).json()["count"] == 1
+
+
+def test_auth_scopes(client: TestClient) -> None:
+    assert client.get("/v1/runs").status_code == 401
+    assert client.get("/v1/runs").json()["detail"] == "missing bearer token: send 'Authorization: Bearer <token>'"
+    wrong = client.get("/v1/runs", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["detail"] == "unknown token"
+    scope = client.post("/v1/runs", json=TINY_RUN, headers=J)
+    assert scope.status_code == 403
+    assert scope.json()["detail"] == "this needs a admin token, got a join token"
+    island_id, h = join(client)
+    other_id, _ = join(client, "other")
+    assert client.post(f"/v1/islands/{other_id}/lease", headers=h).status_code == 403
+    assert client.get("/v1/islands", headers=h).json()["count"] == 2
+
+
+def test_shard_validation(client: TestClient) -> None:
+    run = client.post("/v1/runs", json=TINY_RUN, headers=A).json()
+    odd = client.post(f"/v1/runs/{run['id']}/shards/0?num_documents=1", content=b"\x01\x02\x03", headers=A)
+    assert odd.status_code == 422 and "2-byte (uint16) tokens" in odd.json()["detail"]
+    big = client.post(
+        f"/v1/runs/{run['id']}/shards/0?num_documents=1", content=(300).to_bytes(2, "little") * 200, headers=A
+    )
+    assert big.status_code == 422
+    assert big.json()["detail"] == "shard holds token id 300, the model's vocabulary is 257"
+    short = client.post(f"/v1/runs/{run['id']}/shards/0?num_documents=1", content=b"\x01\x00" * 10, headers=A)
+    assert short.status_code == 422 and "one round needs 65" in short.json()["detail"]
+    missing = client.post(f"/v1/runs/{run['id']}/shards/9?num_documents=1", content=b"\x01\x00" * 100, headers=A)
+    assert missing.status_code == 404
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["status"] == "waiting_for_shards"
+
+
+def test_full_round_applies_nesterov_on_the_mean_outer_gradient(client: TestClient) -> None:
+    run = create_running_run(client)
+    island_id, h = join(client)
+    before = {m["id"]: m for m in client.get("/v1/modules", headers=A).json()["data"]}
+    uploads: dict[int, list[dict[str, torch.Tensor]]] = {mid: [] for mid in before}
+    seen_paths = []
+    for _ in range(4):
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        seen_paths.append(lb["path_index"])
+        grads = train_lease(client, lb, h)
+        r = upload(client, lb, h, grads)
+        assert r.status_code == 200, r.text
+        for m in lb["modules"]:
+            prefix = m["level_name"] + "/"
+            uploads[m["module_id"]].append({k[len(prefix):]: v for k, v in grads.items() if k.startswith(prefix)})
+    assert sorted(seen_paths) == [0, 1, 2, 3]
+    assert r.json()["round_applied"] is True
+    after = {m["id"]: m for m in client.get("/v1/modules", headers=A).json()["data"]}
+    assert all(m["version"] == 1 for m in after.values())
+    outer = OuterConfig()
+    for mid, grads_list in uploads.items():
+        base = decode(client.get(f"/v1/modules/{mid}/weights?version=0", headers=A).content)
+        mean = {k: sum(g[k] for g in grads_list) / len(grads_list) for k in base}
+        expected, _ = nesterov_step(base, mean, None, outer)
+        got = decode(client.get(f"/v1/modules/{mid}/weights", headers=A).content)
+        for k in base:
+            torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6)
+    # shared modules saw 4 paths, routed modules 2
+    assert len(uploads[1]) == 4 and len(uploads[2]) == 2
+    rounds = client.get(f"/v1/runs/{run['id']}/rounds", headers=A).json()["data"]
+    assert [(r["number"], r["status"], r["contributions"]) for r in rounds] == [(0, "applied", 4), (1, "open", 0)]
+
+
+def test_duplicate_upload_is_a_noop_and_closed_round_gets_409(client: TestClient) -> None:
+    create_running_run(client)
+    island_id, h = join(client)
+    first = lease(client, island_id, h)
+    assert first is not None
+    grads = train_lease(client, first, h)
+    r1 = upload(client, first, h, grads)
+    r2 = upload(client, first, h, grads)
+    assert r1.status_code == r2.status_code == 200
+    assert r1.json()["id"] == r2.json()["id"]
+    # a second island holds a lease of round 0 while the round completes without it
+    other_id, oh = join(client, "slow")
+    slow = lease(client, other_id, oh)
+    assert slow is not None
+    client.post(f"/v1/leases/{slow['lease_id']}/release", headers=oh)
+    for _ in range(3):
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        assert upload(client, lb, h, train_lease(client, lb, h)).status_code == 200
+    late = upload(client, slow, oh, grads)
+    assert late.status_code == 409
+    assert late.json()["detail"] == f"lease {slow['lease_id']} was issued for round 0, the run is at round 1"
+
+
+def test_expired_lease_returns_path_to_pool_and_range_is_reissued(client: TestClient, clock: FakeClock) -> None:
+    create_running_run(client, lease_ttl_s=30)
+    a_id, ah = join(client, "a")
+    b_id, bh = join(client, "b")
+    leases_a = [lease(client, a_id, ah) for _ in range(4)]
+    assert all(lb is not None for lb in leases_a)
+    assert lease(client, b_id, bh) is None  # every path is taken
+    clock.advance(20)
+    assert client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah).json()["active_lease_ids"] == [
+        lb["lease_id"] for lb in leases_a if lb
+    ]
+    clock.advance(20)  # heartbeat extended to t=50; not expired yet at t=40
+    assert lease(client, b_id, bh) is None
+    clock.advance(31)
+    again = lease(client, b_id, bh)
+    assert again is not None and again["path_index"] == 0
+    first = leases_a[0]
+    assert first is not None
+    assert (again["token_start"], again["token_end"]) == (first["token_start"], first["token_end"])
+    hb = client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah).json()
+    assert hb["active_lease_ids"] == []
+
+
+def test_release_frees_the_path_at_once(client: TestClient) -> None:
+    create_running_run(client)
+    a_id, ah = join(client, "a")
+    b_id, bh = join(client, "b")
+    taken = [lease(client, a_id, ah) for _ in range(4)]
+    assert lease(client, b_id, bh) is None
+    first = taken[0]
+    assert first is not None
+    r = client.post(f"/v1/leases/{first['lease_id']}/release", headers=ah)
+    assert r.status_code == 200 and r.json() == {"lease_id": first["lease_id"], "status": "released"}
+    got = lease(client, b_id, bh)
+    assert got is not None and got["path_index"] == first["path_index"]
+
+
+def test_leave_releases_leases_and_revoked_token_is_refused(client: TestClient) -> None:
+    create_running_run(client)
+    a_id, ah = join(client, "a")
+    assert lease(client, a_id, ah) is not None
+    assert client.delete(f"/v1/islands/{a_id}", headers=A).status_code == 204
+    refused = client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah)
+    assert refused.status_code == 401 and refused.json()["detail"] == f"island {a_id}'s token was revoked"
+    b_id, bh = join(client, "b")
+    got = lease(client, b_id, bh)
+    assert got is not None and got["path_index"] == 0
+
+
+def test_data_cursor_advances_and_wraps_into_a_new_epoch(client: TestClient) -> None:
+    # 2 steps x batch 2 x seq 16 + 1 = 65 tokens a lease; 100 tokens hold one lease, then wrap.
+    create_running_run(client, num_tokens=100)
+    island_id, h = join(client)
+    ranges = []
+    for _ in range(8):
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        if lb["path_index"] == 0:
+            ranges.append((lb["epoch"], lb["token_start"], lb["token_end"]))
+        assert upload(client, lb, h, train_lease(client, lb, h)).status_code == 200
+    assert ranges == [(0, 0, 65), (1, 0, 65)]
+
+
+def test_run_finishes_and_islands_are_told(client: TestClient) -> None:
+    run = create_running_run(client, num_rounds=1)
+    island_id, h = join(client)
+    for _ in range(4):
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        upload(client, lb, h, train_lease(client, lb, h))
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["status"] == "finished"
+    r = client.post(f"/v1/islands/{island_id}/lease", headers=h)
+    assert r.status_code == 204 and r.headers["X-Dipaco-Idle"] == "no-running-runs"
+
+
+def test_weights_etag_and_history(client: TestClient) -> None:
+    create_running_run(client)
+    r = client.get("/v1/modules/1/weights", headers=A)
+    etag = r.headers["ETag"]
+    assert client.get("/v1/modules/1/weights", headers={**A, "If-None-Match": etag}).status_code == 304
+    missing = client.get("/v1/modules/1/weights?version=7", headers=A)
+    assert missing.status_code == 404
+    assert missing.json()["detail"] == "module 1 has no version 7; current version is 0"
