@@ -1,0 +1,152 @@
+"""`dipaco router ...`: build the local corpus, fit the router, write shards, register them with a run."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from router.corpus import CorpusError, build_local_corpus
+from router.router import RouterError
+from router.shards import ShardError, load_manifest, shard_corpus
+
+app = typer.Typer(help="Corpus and routing: build the local corpus, fit the router, write shards.",
+                  no_args_is_help=True)
+
+REQUEST_TIMEOUT_S = 60.0
+"""One shard upload (tens of MB over a LAN at worst) must finish within this."""
+
+
+class RegistrationError(RuntimeError):
+    """The coordinator refused a shard, or answered with something that does not match the manifest."""
+
+
+def _console() -> Console:
+    return Console()
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Expected failures become one red line and exit code 1, not a traceback."""
+    try:
+        yield
+    except (CorpusError, RouterError, ShardError, RegistrationError) as exc:
+        _console().print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(code=1) from exc
+
+
+@app.command()
+def corpus(
+    out: Annotated[Path, typer.Option(help="Output directory for train/heldout jsonl + manifest.")],
+    max_docs_per_domain: Annotated[int, typer.Option(min=1, help="Documents read per domain.")] = 400,
+) -> None:
+    """Build the local multi-domain corpus from text found on this machine."""
+    with _user_errors():
+        manifest = build_local_corpus(out, max_docs_per_domain=max_docs_per_domain)
+    table = Table(title=f"corpus in {out}")
+    for column in ("domain", "train docs", "train bytes", "held-out docs", "held-out bytes", "skipped"):
+        table.add_column(column, justify="left" if column in ("domain", "skipped") else "right")
+    for name, entry in manifest["domains"].items():
+        skipped = ", ".join(f"{k}={v}" for k, v in entry["skipped"].items()) or "-"
+        table.add_row(name, str(entry["train"]["documents"]), f"{entry['train']['bytes']:,}",
+                      str(entry["heldout"]["documents"]), f"{entry['heldout']['bytes']:,}", skipped)
+    splits = manifest["splits"]
+    table.add_row("total", str(splits["train"]["documents"]), f"{splits['train']['bytes']:,}",
+                  str(splits["heldout"]["documents"]), f"{splits['heldout']['bytes']:,}", "", style="bold")
+    console = _console()
+    console.print(table)
+    if manifest["missing_domains"]:
+        missing = ", ".join(manifest["missing_domains"])
+        console.print(f"[yellow]domains with no files here:[/yellow] {missing}")
+
+
+@app.command()
+def shard(
+    corpus: Annotated[Path, typer.Option(help="Corpus directory (from `corpus`).")],
+    out: Annotated[Path, typer.Option(help="Output directory for shard files, router and manifest.")],
+    paths: Annotated[int, typer.Option(min=1, help="Number of paths (k-means clusters).")],
+    prefix_tokens: Annotated[int, typer.Option(min=1, help="Route by this many leading tokens.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed for the SVD and k-means.")] = 0,
+) -> None:
+    """Fit the prefix router on the train split and write one token shard per path."""
+    with _user_errors():
+        manifest = shard_corpus(corpus, out, num_paths=paths, prefix_tokens=prefix_tokens, seed=seed)
+    table = Table(title=f"{paths} shards in {out}")
+    for column in ("path", "docs", "tokens", "top domain"):
+        table.add_column(column, justify="left" if column == "top domain" else "right")
+    for s in manifest["shards"]:
+        top, count = max(s["domains"].items(), key=lambda kv: (kv[1], kv[0]))
+        table.add_row(str(s["path_index"]), str(s["num_documents"]), f"{s['num_tokens']:,}",
+                      f"{top} ({count / s['num_documents']:.0%})")
+    console = _console()
+    console.print(table)
+    console.print(f"purity {manifest['purity']:.3f} (random assignment of the same sizes: "
+                  f"{manifest['purity_random']:.3f})")
+
+
+def register_shards(shards_dir: Path, *, client: httpx.Client, run_id: int) -> list[dict[str, Any]]:
+    """Upload every shard of `shards_dir` to run `run_id`; returns the coordinator's shard records.
+
+    The client carries the base URL and the admin `Authorization` header. Files are verified against the
+    manifest first and streamed from disk.
+    """
+    manifest = load_manifest(shards_dir)
+    registered: list[dict[str, Any]] = []
+    for shard in manifest["shards"]:
+        index = shard["path_index"]
+        with open(shards_dir / shard["file"], "rb") as body:
+            response = client.post(
+                f"/v1/runs/{run_id}/shards/{index}",
+                params={"num_documents": shard["num_documents"]},
+                content=body,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        if not response.is_success:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise RegistrationError(f"shard {index} of run {run_id}: HTTP {response.status_code}: {detail}")
+        record: dict[str, Any] = response.json()
+        if record.get("tokens_hash") != shard["sha256"]:
+            raise RegistrationError(
+                f"shard {index} of run {run_id}: coordinator stored tokens_hash {record.get('tokens_hash')}, "
+                f"manifest says {shard['sha256']}"
+            )
+        registered.append(record)
+    return registered
+
+
+@app.command()
+def register(
+    shards: Annotated[Path, typer.Option(help="Shard directory (from `shard`).")],
+    coordinator: Annotated[str, typer.Option(help="Coordinator base URL, e.g. http://127.0.0.1:8000.")],
+    run: Annotated[int, typer.Option(help="Run id to attach the shards to.")],
+    token: Annotated[str, typer.Option(envvar="DIPACO_ADMIN_TOKEN", help="Admin bearer token.")] = "",
+) -> None:
+    """Upload the shards to a run on the coordinator (one POST per path)."""
+    token = token or os.environ.get("DIPACO_ADMIN_TOKEN", "")
+    if not token:
+        _console().print("[red]error:[/red] no admin token: pass --token or set DIPACO_ADMIN_TOKEN")
+        raise typer.Exit(code=1)
+    headers = {"Authorization": f"Bearer {token}"}
+    with _user_errors():
+        try:
+            with httpx.Client(base_url=coordinator, headers=headers,
+                              timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as client:
+                records = register_shards(shards, client=client, run_id=run)
+        except httpx.HTTPError as exc:
+            raise RegistrationError(f"cannot reach coordinator at {coordinator}: {exc}") from exc
+    table = Table(title=f"shards of run {run}")
+    for column in ("path", "shard id", "tokens", "documents"):
+        table.add_column(column, justify="right")
+    for r in records:
+        table.add_row(str(r["path_index"]), str(r["id"]), f"{r['num_tokens']:,}", str(r["num_documents"]))
+    _console().print(table)
