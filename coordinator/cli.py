@@ -15,9 +15,7 @@ app = typer.Typer(help="Run the coordinator: registry, rounds and the REST API."
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
-    data_dir: Annotated[
-        Path | None, typer.Option(help="SQLite file, blobs, tokens.json [env DIPACO_DATA_DIR]")
-    ] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="SQLite file, blobs, tokens.json [env DIPACO_DATA_DIR]")] = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL [env DIPACO_DATABASE_URL]")] = None,
     blob_url: Annotated[str | None, typer.Option(help="Blob directory [env DIPACO_BLOB_URL]")] = None,
     migrate: Annotated[bool, typer.Option(help="Run database migrations on start")] = True,

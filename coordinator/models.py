@@ -183,9 +183,7 @@ class ContributionGrad(Base):
     """One module's outer gradient inside a contribution (a safetensors blob)."""
 
     __tablename__ = "contribution_grads"
-    contribution_id: Mapped[int] = mapped_column(
-        ForeignKey("contributions.id", ondelete="CASCADE"), primary_key=True
-    )
+    contribution_id: Mapped[int] = mapped_column(ForeignKey("contributions.id", ondelete="CASCADE"), primary_key=True)
     module_id: Mapped[int] = mapped_column(ForeignKey("modules.id", ondelete="CASCADE"), primary_key=True)
     blob_hash: Mapped[str] = mapped_column(String(64))
 

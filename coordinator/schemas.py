@@ -239,3 +239,16 @@ class Message(BaseModel):
 class LeaseStatus(BaseModel):
     lease_id: int
     status: Literal["active", "submitted", "expired", "released"]
+
+
+class ContributionSummary(BaseModel):
+    id: int
+    lease_id: int
+    run_id: int
+    round: int
+    path_index: int
+    island_id: int
+    tokens: int
+    train_loss: float
+    status: str
+    created_at: datetime

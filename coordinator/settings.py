@@ -16,9 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DIPACO_", extra="ignore")
 
-    data_dir: Path = Field(
-        default=Path(".dipaco"), description="Holds the SQLite file, blobs and tokens.json"
-    )
+    data_dir: Path = Field(default=Path(".dipaco"), description="Holds the SQLite file, blobs and tokens.json")
     database_url: str | None = Field(default=None, description="Default: sqlite:///<data_dir>/dipaco.db")
     blob_url: str | None = Field(default=None, description="Default: <data_dir>/blobs (a local directory)")
     admin_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")

@@ -8,8 +8,9 @@ from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from coordinator.errors import NotFound
-from coordinator.models import Contribution, Island, Module, Path, PathModule, Round, Run, Shard
+from coordinator.models import Contribution, Island, Lease, Module, Path, PathModule, Round, Run, Shard
 from coordinator.schemas import (
+    ContributionSummary,
     IslandCapabilities,
     IslandPublic,
     ModulePublic,
@@ -41,9 +42,7 @@ def run_public(run: Run) -> RunPublic:
     )
 
 
-def list_runs(
-    session: Session, *, status: str | None, offset: int, limit: int
-) -> tuple[list[RunPublic], int]:
+def list_runs(session: Session, *, status: str | None, offset: int, limit: int) -> tuple[list[RunPublic], int]:
     q = select(Run).order_by(Run.id)
     if status:
         q = q.where(Run.status == status)
@@ -69,11 +68,7 @@ def module_public(m: Module) -> ModulePublic:
 def list_modules(
     session: Session, *, run_id: int | None, level: int | None, offset: int, limit: int
 ) -> tuple[list[ModulePublic], int]:
-    q = (
-        select(Module)
-        .options(selectinload(Module.level))
-        .order_by(Module.run_id, Module.level_index, Module.index)
-    )
+    q = select(Module).options(selectinload(Module.level)).order_by(Module.run_id, Module.level_index, Module.index)
     if run_id is not None:
         q = q.where(Module.run_id == run_id)
     if level is not None:
@@ -111,9 +106,7 @@ def path_public(session: Session, p: Path) -> PathPublic:
     )
 
 
-def list_paths(
-    session: Session, *, run_id: int | None, offset: int, limit: int
-) -> tuple[list[PathPublic], int]:
+def list_paths(session: Session, *, run_id: int | None, offset: int, limit: int) -> tuple[list[PathPublic], int]:
     q = select(Path).order_by(Path.run_id, Path.index)
     if run_id is not None:
         q = q.where(Path.run_id == run_id)
@@ -140,9 +133,7 @@ def island_public(i: Island) -> IslandPublic:
     )
 
 
-def list_islands(
-    session: Session, *, status: str | None, offset: int, limit: int
-) -> tuple[list[IslandPublic], int]:
+def list_islands(session: Session, *, status: str | None, offset: int, limit: int) -> tuple[list[IslandPublic], int]:
     q = select(Island).order_by(Island.id)
     if status:
         q = q.where(Island.status == status)
@@ -175,3 +166,35 @@ def list_rounds(session: Session, run_id: int) -> list[RoundPublic]:
             )
         )
     return out
+
+
+def list_contributions(
+    session: Session, *, run_id: int | None, round_: int | None, offset: int, limit: int
+) -> tuple[list[ContributionSummary], int]:
+    q = (
+        select(Contribution, Path.index, Lease.island_id)
+        .join(Path, Path.id == Contribution.path_id)
+        .join(Lease, Lease.id == Contribution.lease_id)
+        .order_by(Contribution.run_id, Contribution.round, Path.index)
+    )
+    if run_id is not None:
+        q = q.where(Contribution.run_id == run_id)
+    if round_ is not None:
+        q = q.where(Contribution.round == round_)
+    count = session.scalar(select(func.count()).select_from(q.order_by(None).subquery())) or 0
+    out = [
+        ContributionSummary(
+            id=c.id,
+            lease_id=c.lease_id,
+            run_id=c.run_id,
+            round=c.round,
+            path_index=path_index,
+            island_id=island_id,
+            tokens=c.tokens,
+            train_loss=c.train_loss,
+            status=c.status,
+            created_at=as_utc(c.created_at),
+        )
+        for c, path_index, island_id in session.execute(q.offset(offset).limit(limit))
+    ]
+    return out, count

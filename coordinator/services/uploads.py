@@ -48,9 +48,7 @@ def submit_outer_gradients(
     run = session.scalar(select(Run).where(Run.id == lease.run_id).with_for_update())
     assert run is not None
     if round_header is not None and round_header != lease.round:
-        raise Conflict(
-            f"upload is for round {round_header}, lease {lease_id} was issued for round {lease.round}"
-        )
+        raise Conflict(f"upload is for round {round_header}, lease {lease_id} was issued for round {lease.round}")
     if run.status != "running" or run.current_round != lease.round:
         raise Conflict(
             f"lease {lease_id} was issued for round {lease.round}, the run is at round {run.current_round}"
@@ -59,14 +57,10 @@ def submit_outer_gradients(
     if lease.status == "released":
         raise Conflict(f"lease {lease_id} was released; ask for a new lease")
     done = session.scalar(
-        select(Lease.id).where(
-            Lease.path_id == lease.path_id, Lease.round == lease.round, Lease.status == "submitted"
-        )
+        select(Lease.id).where(Lease.path_id == lease.path_id, Lease.round == lease.round, Lease.status == "submitted")
     )
     if done is not None:
-        raise Conflict(
-            f"path of lease {lease_id} already has a contribution for round {lease.round} (lease {done})"
-        )
+        raise Conflict(f"path of lease {lease_id} already has a contribution for round {lease.round} (lease {done})")
     if tokens < 0:
         raise Invalid(f"tokens must be >= 0, got {tokens}")
     if not math.isfinite(train_loss):
@@ -85,9 +79,7 @@ def submit_outer_gradients(
     for m in modules.values():
         base = int(lease.base_versions[str(m.id)])
         if base != m.version:
-            raise Conflict(
-                f"lease {lease_id} trained module {m.id} version {base}, the module is at {m.version}"
-            )
+            raise Conflict(f"lease {lease_id} trained module {m.id} version {base}, the module is at {m.version}")
 
     grads = _validated_payload(body.read_bytes(), run, modules)
 
@@ -106,9 +98,7 @@ def submit_outer_gradients(
     for level_index, tensors in grads.items():
         digest = blobs.put_bytes(encode(tensors))
         session.add(
-            ContributionGrad(
-                contribution_id=contribution.id, module_id=modules[level_index].id, blob_hash=digest
-            )
+            ContributionGrad(contribution_id=contribution.id, module_id=modules[level_index].id, blob_hash=digest)
         )
     lease.status = "submitted"
     path.token_offset = lease.token_end - 1  # the last target token is the next range's first input
@@ -120,9 +110,7 @@ def submit_outer_gradients(
     return contribution, True
 
 
-def _validated_payload(
-    data: bytes, run: Run, modules: dict[int, Module]
-) -> dict[int, dict[str, torch.Tensor]]:
+def _validated_payload(data: bytes, run: Run, modules: dict[int, Module]) -> dict[int, dict[str, torch.Tensor]]:
     """Check the safetensors payload against the path's modules; returns level index -> tensors."""
     cfg, layout = run_model_config(run), run_layout(run)
     expected: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -136,8 +124,7 @@ def _validated_payload(
     unknown = sorted(set(header) - set(expected))
     if unknown:
         raise Invalid(
-            f"unknown tensor {unknown[0]!r} in outer-gradient payload; expected names like "
-            f"{next(iter(expected))!r}"
+            f"unknown tensor {unknown[0]!r} in outer-gradient payload; expected names like {next(iter(expected))!r}"
         )
     missing = sorted(set(expected) - set(header))
     if missing:

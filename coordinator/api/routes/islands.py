@@ -38,15 +38,11 @@ def list_islands(
 def join(spec: IslandJoin, session: SessionDep, state: StateDep, principal: PrincipalDep) -> IslandJoined:
     require(principal, "join", "admin")
     island, token = islands.join(session, spec, now=state.clock())
-    return IslandJoined(
-        island_id=island.id, token=token, heartbeat_interval_s=state.settings.heartbeat_interval_s
-    )
+    return IslandJoined(island_id=island.id, token=token, heartbeat_interval_s=state.settings.heartbeat_interval_s)
 
 
 @router.post("/islands/{island_id}/heartbeat", response_model=HeartbeatReply)
-def heartbeat(
-    island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep
-) -> HeartbeatReply:
+def heartbeat(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> HeartbeatReply:
     require_island(principal, island_id)
     active = islands.heartbeat(session, island_id, now=state.clock())
     return HeartbeatReply(
@@ -70,9 +66,7 @@ def leave(island_id: int, session: SessionDep, principal: PrincipalDep) -> Respo
     response_model=LeasePublic,
     responses={204: {"description": f"No work now; header {H_IDLE} says why, Retry-After when to ask again"}},
 )
-def lease(
-    island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep
-) -> LeasePublic | Response:
+def lease(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> LeasePublic | Response:
     require_island(principal, island_id)
     now = state.clock()
     rounds.apply_ready_rounds(session, state.blobs, now=now)

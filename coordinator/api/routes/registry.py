@@ -51,17 +51,13 @@ def module_weights(
             )
         )
         if digest_or_none is None:
-            raise NotFound(
-                f"module {module_id} has no version {version}; current version is {module.version}"
-            )
+            raise NotFound(f"module {module_id} has no version {version}; current version is {module.version}")
         digest = digest_or_none
     etag = f'"{digest}"'
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"ETag": etag})
     data = state.blobs.get_bytes(digest)
-    return Response(
-        content=data, media_type="application/octet-stream", headers={"ETag": etag, H_CONTENT_HASH: digest}
-    )
+    return Response(content=data, media_type="application/octet-stream", headers={"ETag": etag, H_CONTENT_HASH: digest})
 
 
 @router.get("/paths", response_model=ListOf[PathPublic])

@@ -6,7 +6,15 @@ from fastapi.responses import StreamingResponse
 
 from coordinator.api.deps import PrincipalDep, SessionDep, StateDep, authenticate_with, spool_body
 from coordinator.auth import require
-from coordinator.schemas import H_CONTENT_HASH, ListOf, RoundPublic, RunCreate, RunPublic, ShardPublic
+from coordinator.schemas import (
+    H_CONTENT_HASH,
+    ContributionSummary,
+    ListOf,
+    RoundPublic,
+    RunCreate,
+    RunPublic,
+    ShardPublic,
+)
 from coordinator.services import registry, runs, shards
 
 router = APIRouter(prefix="/v1", tags=["runs"])
@@ -39,6 +47,20 @@ def get_run(run_id: int, session: SessionDep, _: PrincipalDep) -> RunPublic:
 def list_rounds(run_id: int, session: SessionDep, _: PrincipalDep) -> ListOf[RoundPublic]:
     data = registry.list_rounds(session, run_id)
     return ListOf[RoundPublic](data=data, count=len(data))
+
+
+@router.get("/contributions", response_model=ListOf[ContributionSummary])
+def list_contributions(
+    session: SessionDep,
+    _: PrincipalDep,
+    run_id: int | None = None,
+    round: int | None = Query(None, ge=0),
+    offset: int = Query(0, ge=0),
+    limit: int = Query(100, ge=1, le=1000),
+) -> ListOf[ContributionSummary]:
+    """Accepted outer-gradient uploads: per path and round, with tokens and train loss."""
+    data, count = registry.list_contributions(session, run_id=run_id, round_=round, offset=offset, limit=limit)
+    return ListOf[ContributionSummary](data=data, count=count)
 
 
 @router.post("/runs/{run_id}/shards/{path_index}", response_model=ShardPublic, status_code=201)
@@ -80,9 +102,7 @@ async def register_shard(
 
 
 @router.get("/shards/{shard_id}/tokens", responses={200: {"content": {"application/octet-stream": {}}}})
-def shard_tokens(
-    shard_id: int, request: Request, session: SessionDep, state: StateDep, _: PrincipalDep
-) -> Response:
+def shard_tokens(shard_id: int, request: Request, session: SessionDep, state: StateDep, _: PrincipalDep) -> Response:
     shard = shards.get_shard(session, shard_id)
     etag = f'"{shard.tokens_hash}"'
     if request.headers.get("if-none-match") == etag:

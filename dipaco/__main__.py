@@ -1,0 +1,3 @@
+from dipaco.cli import main
+
+main()
