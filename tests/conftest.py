@@ -70,7 +70,10 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def settings(tmp_path: Path, database_url: str) -> Settings:
     return Settings(
-        data_dir=tmp_path / "coordinator", database_url=database_url, admin_token=ADMIN, join_token=JOIN,  # type: ignore[arg-type]
+        data_dir=tmp_path / "coordinator",
+        database_url=database_url,
+        admin_token=ADMIN,
+        join_token=JOIN,  # type: ignore[arg-type]
     )
 
 

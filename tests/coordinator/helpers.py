@@ -85,8 +85,14 @@ def train_lease(client: TestClient, lease_body: dict[str, Any], headers: dict[st
 
 
 def upload(
-    client: TestClient, lease_body: dict[str, Any], headers: dict[str, str], payload: bytes | dict[str, torch.Tensor],
-    *, round_: int | None = None, tokens: int = 32, loss: float = 5.0,
+    client: TestClient,
+    lease_body: dict[str, Any],
+    headers: dict[str, str],
+    payload: bytes | dict[str, torch.Tensor],
+    *,
+    round_: int | None = None,
+    tokens: int = 32,
+    loss: float = 5.0,
 ) -> Any:
     body = encode(payload) if isinstance(payload, dict) else payload
     h = {

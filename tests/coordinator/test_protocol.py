@@ -12,7 +12,7 @@ from coordinator.app import create_app
 from coordinator.settings import Settings
 from modules import OuterConfig, decode, nesterov_step
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import A, J, TINY_RUN, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import TINY_RUN, A, J, create_running_run, join, lease, train_lease, upload
 
 
 @pytest.fixture
@@ -27,7 +27,12 @@ def test_create_run_registers_modules_paths_and_round_zero(client: TestClient) -
     modules = client.get(f"/v1/modules?run_id={run['id']}", headers=A).json()
     assert modules["count"] == 6  # embed, 2 + 2 routed, head
     assert [(m["level"], m["index"], m["version"]) for m in modules["data"]] == [
-        (0, 0, 0), (1, 0, 0), (1, 1, 0), (2, 0, 0), (2, 1, 0), (3, 0, 0)
+        (0, 0, 0),
+        (1, 0, 0),
+        (1, 1, 0),
+        (2, 0, 0),
+        (2, 1, 0),
+        (3, 0, 0),
     ]
     # every module of a level starts from the same weights (paper §2.2)
     assert modules["data"][1]["weights_hash"] == modules["data"][2]["weights_hash"]
@@ -95,7 +100,7 @@ def test_full_round_applies_nesterov_on_the_mean_outer_gradient(client: TestClie
         assert r.status_code == 200, r.text
         for m in lb["modules"]:
             prefix = m["level_name"] + "/"
-            uploads[m["module_id"]].append({k[len(prefix):]: v for k, v in grads.items() if k.startswith(prefix)})
+            uploads[m["module_id"]].append({k[len(prefix) :]: v for k, v in grads.items() if k.startswith(prefix)})
     assert sorted(seen_paths) == [0, 1, 2, 3]
     assert r.json()["round_applied"] is True
     after = {m["id"]: m for m in client.get("/v1/modules", headers=A).json()["data"]}

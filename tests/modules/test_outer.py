@@ -1,0 +1,225 @@
+"""The outer math: pseudo-gradient, weighted averaging, α weights, √n rescale, Nesterov, no-contribution rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from modules import (
+    InnerConfig,
+    OuterConfig,
+    accumulate,
+    alpha_weights,
+    batches_from_tokens,
+    build_path,
+    decode,
+    encode,
+    flavour,
+    init_level_modules,
+    make_optimizer,
+    nesterov_step,
+    outer_update,
+    parse_layout,
+    pseudo_gradient,
+    rescale,
+    split_state,
+    train_steps,
+    weighted_average,
+)
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def grad_set(seed: int) -> dict[str, torch.Tensor]:
+    return {"w": rand(4, 3, seed=seed), "b": rand(3, seed=seed + 100)}
+
+
+def test_pseudo_gradient_is_base_minus_trained() -> None:
+    base, trained = grad_set(0), grad_set(1)
+    g = pseudo_gradient(base, trained)
+    for name in base:
+        assert torch.equal(g[name], base[name] - trained[name])
+    with pytest.raises(KeyError, match="tensor names differ"):
+        pseudo_gradient(base, {"w": trained["w"]})
+
+
+def test_weighted_average_and_accumulate() -> None:
+    grads = [grad_set(s) for s in range(3)]
+    avg = weighted_average(grads, [1.0, 2.0, 5.0])
+    for name in avg:
+        want = (grads[0][name] + 2 * grads[1][name] + 5 * grads[2][name]) / 8
+        torch.testing.assert_close(avg[name], want, rtol=0, atol=1e-6)
+    acc = accumulate(None, grads[0], 2.0)
+    acc = accumulate(acc, grads[1], 3.0)
+    torch.testing.assert_close(acc["w"], 2 * grads[0]["w"] + 3 * grads[1]["w"])
+    with pytest.raises(ValueError, match="need one weight per gradient"):
+        weighted_average(grads, [1.0])
+    with pytest.raises(ValueError, match="at least one"):
+        weighted_average([], [])
+    with pytest.raises(ValueError, match="weights must sum to > 0"):
+        weighted_average(grads[:1], [0.0])
+
+
+def test_outer_functions_do_not_mutate_inputs() -> None:
+    params, g, mom = grad_set(0), grad_set(1), grad_set(2)
+    copies = [{n: t.clone() for n, t in d.items()} for d in (params, g, mom)]
+    nesterov_step(params, g, mom, OuterConfig())
+    outer_update(params, [g, g], [1.0, 1.0], mom, OuterConfig(sqrt_rescale=True))
+    for d, c in zip((params, g, mom), copies, strict=True):
+        for n in d:
+            assert torch.equal(d[n], c[n])
+
+
+def test_nesterov_step_equals_torch_sgd_over_three_rounds() -> None:
+    cfg = OuterConfig(lr=0.7, momentum=0.9)
+    start = grad_set(0)
+    ours = {n: t.clone() for n, t in start.items()}
+    mom = None
+    torch_params = {n: torch.nn.Parameter(t.clone()) for n, t in start.items()}
+    opt = torch.optim.SGD(list(torch_params.values()), lr=0.7, momentum=0.9, nesterov=True)
+    for r in range(3):
+        g = grad_set(10 + r)
+        ours, mom = nesterov_step(ours, g, mom, cfg)
+        for name, p in torch_params.items():
+            p.grad = g[name].clone()
+        opt.step()
+        for name, p in torch_params.items():
+            torch.testing.assert_close(ours[name], p.detach(), rtol=0, atol=1e-6)
+            torch.testing.assert_close(mom[name], opt.state[p]["momentum_buffer"], rtol=0, atol=1e-6)
+
+
+def test_momentum_state_is_serialisable() -> None:
+    _, mom = nesterov_step(grad_set(0), grad_set(1), None, OuterConfig())
+    back = decode(encode(mom))
+    assert back.keys() == mom.keys()
+    for n in mom:
+        assert torch.equal(back[n], mom[n])
+    p1, m1 = nesterov_step(grad_set(0), grad_set(2), mom, OuterConfig())
+    p2, m2 = nesterov_step(grad_set(0), grad_set(2), back, OuterConfig())
+    assert all(torch.equal(p1[n], p2[n]) and torch.equal(m1[n], m2[n]) for n in p1)
+
+
+def test_outer_config_defaults_and_validation() -> None:
+    cfg = OuterConfig()
+    assert (cfg.lr, cfg.momentum, cfg.sqrt_rescale, cfg.method) == (0.7, 0.9, False, "nesterov")
+    with pytest.raises(ValueError, match="outer lr must be > 0"):
+        OuterConfig(lr=0)
+    with pytest.raises(ValueError, match=r"outer momentum must be in \[0, 1\)"):
+        OuterConfig(momentum=1.0)
+    with pytest.raises(ValueError, match="outer method must be 'nesterov' or 'average', got 'adam'"):
+        OuterConfig(method="adam")  # type: ignore[arg-type]
+
+
+def test_alpha_weights() -> None:
+    assert alpha_weights([100, 300]) == [0.25, 0.75]
+    assert alpha_weights([0, 5]) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="must sum to > 0"):
+        alpha_weights([0, 0])
+    with pytest.raises(ValueError, match="finite and >= 0, got -1.0"):
+        alpha_weights([3, -1])
+
+
+def test_alpha_weighted_update_uses_token_ratios() -> None:
+    params, g1, g2 = grad_set(0), grad_set(1), grad_set(2)
+    cfg = OuterConfig(lr=1.0, momentum=0.0)
+    new, _ = outer_update(params, [g1, g2], alpha_weights([1000, 3000]), None, cfg)
+    for n in params:
+        torch.testing.assert_close(new[n], params[n] - (0.25 * g1[n] + 0.75 * g2[n]), rtol=0, atol=1e-6)
+
+
+def test_sqrt_rescale_formula() -> None:
+    params = grad_set(0)
+    grads = [grad_set(s) for s in (1, 2, 3)]
+    weights = [1.0, 2.0, 3.0]
+    cfg = OuterConfig(lr=0.5, momentum=0.0, sqrt_rescale=True)
+    new, _ = outer_update(params, grads, weights, None, cfg)
+    mean = weighted_average(grads, weights)
+    for n in params:
+        torch.testing.assert_close(new[n], params[n] - 0.5 * math.sqrt(3) * mean[n], rtol=0, atol=1e-6)
+    # uniform weights: sqrt(n) * mean == sum / sqrt(n)
+    uni, _ = outer_update(params, grads, [1.0] * 3, None, OuterConfig(lr=1.0, momentum=0.0, sqrt_rescale=True))
+    for n in params:
+        total = sum(g[n] for g in grads)
+        torch.testing.assert_close(uni[n], params[n] - total / math.sqrt(3), rtol=0, atol=1e-6)
+    # one contributor: no-op; weight-0 contributors do not count in n
+    one, _ = outer_update(params, grads[:1], [1.0], None, OuterConfig(sqrt_rescale=True))
+    ref, _ = outer_update(params, grads[:1], [1.0], None, OuterConfig())
+    two, _ = outer_update(params, grads[:2], [1.0, 0.0], None, OuterConfig(sqrt_rescale=True))
+    assert all(torch.equal(one[n], ref[n]) and torch.equal(two[n], ref[n]) for n in params)
+    with pytest.raises(ValueError, match="at least 1 contributing path"):
+        rescale(grads[0], 0)
+
+
+def test_plain_average_equals_sgd_lr1_momentum0_and_mean_of_trained_weights() -> None:
+    base = grad_set(0)
+    trained = [grad_set(s) for s in (1, 2, 3)]
+    grads = [pseudo_gradient(base, t) for t in trained]
+    weights = [1.0, 1.0, 2.0]
+    avg_new, avg_mom = outer_update(base, grads, weights, None, OuterConfig(method="average"))
+    sgd_new, _ = outer_update(base, grads, weights, None, OuterConfig(lr=1.0, momentum=0.0))
+    assert avg_mom is None
+    for n in base:
+        torch.testing.assert_close(avg_new[n], sgd_new[n], rtol=0, atol=1e-6)
+        want = (trained[0][n] + trained[1][n] + 2 * trained[2][n]) / 4
+        torch.testing.assert_close(avg_new[n], want, rtol=0, atol=1e-6)
+
+
+def test_module_without_contribution_is_unchanged_and_keeps_momentum() -> None:
+    params, mom = grad_set(0), grad_set(1)
+    new, new_mom = outer_update(params, [], [], mom, OuterConfig())
+    assert new_mom is not None
+    assert all(torch.equal(new[n], params[n]) and torch.equal(new_mom[n], mom[n]) for n in params)
+    new, new_mom = outer_update(params, [grad_set(2)], [0.0], mom, OuterConfig())
+    assert new_mom is not None
+    assert all(torch.equal(new[n], params[n]) and torch.equal(new_mom[n], mom[n]) for n in params)
+    new, none_mom = outer_update(params, [], [], None, OuterConfig())
+    assert none_mom is None and all(torch.equal(new[n], params[n]) for n in params)
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        outer_update(params, [grad_set(2)], [-1.0], mom, OuterConfig())
+
+
+def test_shared_module_gets_weighted_mean_of_its_three_paths() -> None:
+    # 4 paths; the module is used by paths 0, 1 and 3 (3 of 4). Path 2 uses another module.
+    base = grad_set(0)
+    grads = [grad_set(10 + p) for p in range(4)]
+    weights = [1.0, 2.0, 7.0, 3.0]
+    users = [0, 1, 3]
+    cfg = OuterConfig(lr=1.0, momentum=0.0)
+    new, _ = outer_update(base, [grads[p] for p in users], [weights[p] for p in users], None, cfg)
+    for n in base:
+        want = (1.0 * grads[0][n] + 2.0 * grads[1][n] + 3.0 * grads[3][n]) / 6.0
+        torch.testing.assert_close(base[n] - new[n], want, rtol=0, atol=1e-6)
+    # and through the Nesterov step: the first step applies g * (1 + mu) with lr
+    new, mom = outer_update(base, [grads[p] for p in users], [weights[p] for p in users], None, OuterConfig())
+    assert mom is not None
+    for n in base:
+        want = (1.0 * grads[0][n] + 2.0 * grads[1][n] + 3.0 * grads[3][n]) / 6.0
+        torch.testing.assert_close(mom[n], want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(new[n], base[n] - 0.7 * 1.9 * want, rtol=0, atol=1e-6)
+
+
+def test_one_path_lr1_momentum0_equals_plain_adamw() -> None:
+    cfg = flavour("debug")
+    layout = parse_layout("embed:shared, b0-1:shared, head:shared", n_layers=cfg.n_layers)
+    inner = InnerConfig(batch_size=2, warmup_steps=2, total_steps=20)
+    h = 4
+    tokens = torch.arange(h * inner.batch_size * cfg.seq_len + 1) * 7 % cfg.vocab_size
+    batches = batches_from_tokens(tokens, batch_size=inner.batch_size, seq_len=cfg.seq_len, steps=h)
+    modules = init_level_modules(cfg, layout, seed=0)
+
+    plain = build_path(cfg, modules)
+    train_steps(plain, make_optimizer(plain, inner), batches, inner, first_step=0)
+
+    path = build_path(cfg, modules)
+    train_steps(path, make_optimizer(path, inner), batches, inner, first_step=0)
+    trained = split_state(path.state_dict(), layout)
+    outer = OuterConfig(lr=1.0, momentum=0.0)
+    for lv, base in enumerate(modules):
+        new, _ = outer_update(base, [pseudo_gradient(base, trained[lv])], [1.0], None, outer)
+        for name, t in new.items():
+            assert not torch.equal(t, base[name])
+            torch.testing.assert_close(t, plain.state_dict()[name], rtol=0, atol=1e-6)
