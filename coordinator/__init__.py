@@ -1,6 +1,7 @@
-"""The coordinator service: registry database, blob store, round protocol and REST API."""
+"""The coordinator service: registry database, blob store, round protocol and REST API.
 
-from coordinator.app import create_app
-from coordinator.settings import Settings
+Import from the submodules (`coordinator.app.create_app`, `coordinator.settings.Settings`); this package's
+`__init__` stays empty so that islands can import `coordinator.schemas` without loading the server.
+"""
 
-__all__ = ["Settings", "create_app"]
+__all__: list[str] = []

@@ -52,6 +52,8 @@ class Run(Base):
     current_round: Mapped[int] = mapped_column(default=0)
     seed: Mapped[int]
     lease_ttl_s: Mapped[float] = mapped_column(Float)
+    quorum: Mapped[float] = mapped_column(Float, default=1.0)
+    round_deadline_s: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     levels: Mapped[list[Level]] = relationship(back_populates="run", order_by="Level.index", lazy="raise")
@@ -195,4 +197,7 @@ class Round(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     number: Mapped[int]
     status: Mapped[str] = mapped_column(String(16))  # open | applied
+    opened_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deadline: Mapped[datetime | None] = mapped_column(comment="After it, quorum suffices to close the round")
     applied_at: Mapped[datetime | None]
+    num_contributions: Mapped[int | None] = mapped_column(comment="Paths that contributed, set at apply")

@@ -82,6 +82,12 @@ class RunCreate(BaseModel):
     num_rounds: int = Field(default=3, ge=1, le=1_000_000)
     seed: int = Field(default=0, ge=0)
     lease_ttl_s: float = Field(default=120.0, gt=0, description="Lease expiry without heartbeats")
+    quorum: float = Field(
+        default=1.0, gt=0, le=1, description="Fraction of paths that must contribute to close a round past its deadline"
+    )
+    round_deadline_s: float | None = Field(
+        default=None, gt=0, description="Seconds after a round opens after which quorum suffices; None: wait for all"
+    )
 
 
 class RunPublic(BaseModel):
@@ -94,6 +100,9 @@ class RunPublic(BaseModel):
     inner_steps: int
     layout: str
     config: dict[str, Any]
+    lease_ttl_s: float
+    quorum: float
+    round_deadline_s: float | None
     created_at: datetime
 
 
@@ -145,6 +154,8 @@ class RoundPublic(BaseModel):
     status: Literal["open", "applied"]
     contributions: int
     mean_train_loss: float | None
+    opened_at: datetime
+    deadline: datetime | None
     applied_at: datetime | None
 
 

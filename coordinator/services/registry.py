@@ -38,6 +38,9 @@ def run_public(run: Run) -> RunPublic:
         inner_steps=run.inner_steps,
         layout=run.layout,
         config=run.config,
+        lease_ttl_s=run.lease_ttl_s,
+        quorum=run.quorum,
+        round_deadline_s=run.round_deadline_s,
         created_at=as_utc(run.created_at),
     )
 
@@ -162,6 +165,8 @@ def list_rounds(session: Session, run_id: int) -> list[RoundPublic]:
                 status=r.status,  # type: ignore[arg-type]
                 contributions=n,
                 mean_train_loss=float(loss) if loss is not None else None,
+                opened_at=as_utc(r.opened_at),
+                deadline=as_utc(r.deadline) if r.deadline else None,
                 applied_at=as_utc(r.applied_at) if r.applied_at else None,
             )
         )

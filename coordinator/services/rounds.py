@@ -1,5 +1,9 @@
-"""Closing a round: when every path has contributed, each module takes one outer Nesterov step on the mean
-outer gradient of the paths through it (DiPaCo Alg. 1), and the run moves to the next round.
+"""Closing a round: each module takes one outer Nesterov step on the mean outer gradient of the paths through it
+(DiPaCo Alg. 1), and the run moves to the next round.
+
+A round closes when every path has contributed, or, once its deadline (run.round_deadline_s after it opened)
+has passed, as soon as at least ceil(quorum * paths) paths have. Past the deadline without quorum the round
+stays open and keeps leasing. Leases still out when a round closes get 409 on upload.
 
 The apply is one transaction that starts by flipping the round from `open` to `applied` with a conditional
 UPDATE: only one caller (thread, process or coordinator replica) can win it, and a crash before commit leaves
@@ -10,14 +14,16 @@ contribution at a time, so memory is O(module size) whatever the number of paths
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from coordinator.blobstore import LocalBlobStore
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
+from coordinator.timeutil import as_utc
 from modules import OuterConfig, accumulate, decode, encode, nesterov_step
 
 log = logging.getLogger(__name__)
@@ -35,13 +41,20 @@ def maybe_apply_round(session: Session, blobs: LocalBlobStore, run_id: int, *, n
             Contribution.run_id == run.id, Contribution.round == number, Contribution.status == "accepted"
         )
     )
-    if (contributed or 0) < run.num_paths:
+    rnd = session.scalar(select(Round).where(Round.run_id == run.id, Round.number == number))
+    if rnd is None or rnd.status != "open":
+        session.rollback()
+        return False
+    contributed = contributed or 0
+    complete = contributed >= run.num_paths
+    past_deadline = rnd.deadline is not None and now >= as_utc(rnd.deadline)
+    if not (complete or (past_deadline and contributed >= quorum_count(run))):
         session.rollback()
         return False
     won = session.execute(
         update(Round)
         .where(Round.run_id == run.id, Round.number == number, Round.status == "open")
-        .values(status="applied", applied_at=now)
+        .values(status="applied", applied_at=now, num_contributions=contributed)
     )
     if won.rowcount != 1:  # type: ignore[attr-defined]
         session.rollback()
@@ -86,10 +99,22 @@ def maybe_apply_round(session: Session, blobs: LocalBlobStore, run_id: int, *, n
     if run.current_round >= run.num_rounds:
         run.status = "finished"
     else:
-        session.add(Round(run_id=run.id, number=run.current_round, status="open"))
+        open_round(session, run, run.current_round, now=now)
     session.commit()
-    log.info("run %s: round %s applied (%s paths)", run.id, number, run.num_paths)
+    log.info("run %s: round %s applied (%s of %s paths)", run.id, number, contributed, run.num_paths)
     return True
+
+
+def quorum_count(run: Run) -> int:
+    """Contributions needed to close a round past its deadline."""
+    return max(1, math.ceil(run.quorum * run.num_paths - 1e-9))
+
+
+def open_round(session: Session, run: Run, number: int, *, now: datetime) -> Round:
+    deadline = now + timedelta(seconds=run.round_deadline_s) if run.round_deadline_s else None
+    rnd = Round(run_id=run.id, number=number, status="open", opened_at=now, deadline=deadline)
+    session.add(rnd)
+    return rnd
 
 
 def apply_ready_rounds(session: Session, blobs: LocalBlobStore, *, now: datetime) -> int:

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from coordinator.blobstore import LocalBlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
-from coordinator.models import Level, Module, ModuleVersion, Path, PathModule, Round, Run
+from coordinator.models import Level, Module, ModuleVersion, Path, PathModule, Run
 from coordinator.schemas import RunCreate
 from modules import InnerConfig, LayoutError, ModelConfig, encode, flavour, init_level_modules, parse_layout
 from modules.layout import Layout
@@ -69,6 +69,8 @@ def create_run(session: Session, blobs: LocalBlobStore, spec: RunCreate) -> Run:
         current_round=0,
         seed=spec.seed,
         lease_ttl_s=spec.lease_ttl_s,
+        quorum=spec.quorum,
+        round_deadline_s=spec.round_deadline_s,
     )
     session.add(run)
     session.flush()
@@ -109,7 +111,6 @@ def create_run(session: Session, blobs: LocalBlobStore, spec: RunCreate) -> Run:
         session.flush()
         for li, mi in enumerate(layout.path_modules(p)):
             session.add(PathModule(path_id=path.id, level_index=li, module_id=module_ids[li][mi]))
-    session.add(Round(run_id=run.id, number=0, status="open"))
     try:
         session.commit()
     except IntegrityError as exc:

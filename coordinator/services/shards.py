@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path as FilePath
 
 import numpy as np
@@ -11,6 +12,7 @@ from sqlalchemy.orm import Session
 from coordinator.blobstore import LocalBlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.models import Shard
+from coordinator.services.rounds import open_round
 from coordinator.services.runs import get_run, tokens_per_lease
 
 
@@ -22,6 +24,7 @@ def register_shard(
     path_index: int,
     body: FilePath,
     num_documents: int,
+    now: datetime,
 ) -> Shard:
     run = get_run(session, run_id)
     if run.status != "waiting_for_shards":
@@ -56,6 +59,7 @@ def register_shard(
     registered = session.scalar(select(func.count()).select_from(Shard).where(Shard.run_id == run_id))
     if registered == run.num_paths:
         run.status = "running"
+        open_round(session, run, 0, now=now)
     session.commit()
     return shard
 

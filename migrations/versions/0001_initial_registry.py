@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30 07:47:07.084344
+Create Date: 2026-11-30 07:55:37.946111
 """
 
 from collections.abc import Sequence
@@ -44,6 +44,8 @@ def upgrade() -> None:
         sa.Column("current_round", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("seed", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("lease_ttl_s", sa.Float(), nullable=False),
+        sa.Column("quorum", sa.Float(), nullable=False),
+        sa.Column("round_deadline_s", sa.Float(), nullable=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_runs")),
         sa.UniqueConstraint("name", name=op.f("uq_runs_name")),
@@ -56,9 +58,7 @@ def upgrade() -> None:
         sa.Column("name", sa.String(length=64), nullable=False),
         sa.Column("sharing", sa.String(length=32), nullable=False),
         sa.Column("num_modules", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_levels_run_id_runs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_levels_run_id_runs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_levels")),
         sa.UniqueConstraint("run_id", "index", name=op.f("uq_levels_run_id_index")),
     )
@@ -73,14 +73,9 @@ def upgrade() -> None:
         sa.Column("last_train_loss", sa.Float(), nullable=True),
         sa.Column("last_island_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=True),
         sa.ForeignKeyConstraint(
-            ["last_island_id"],
-            ["islands.id"],
-            name=op.f("fk_paths_last_island_id_islands"),
-            ondelete="SET NULL",
+            ["last_island_id"], ["islands.id"], name=op.f("fk_paths_last_island_id_islands"), ondelete="SET NULL"
         ),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_paths_run_id_runs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_paths_run_id_runs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_paths")),
         sa.UniqueConstraint("run_id", "index", name=op.f("uq_paths_run_id_index")),
     )
@@ -93,10 +88,21 @@ def upgrade() -> None:
         sa.Column("run_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("number", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("status", sa.String(length=16), nullable=False),
-        sa.Column("applied_at", sa.DateTime(timezone=True), nullable=True),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_rounds_run_id_runs"), ondelete="CASCADE"
+        sa.Column("opened_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column(
+            "deadline",
+            sa.DateTime(timezone=True),
+            nullable=True,
+            comment="After it, quorum suffices to close the round",
         ),
+        sa.Column("applied_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column(
+            "num_contributions",
+            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            nullable=True,
+            comment="Paths that contributed, set at apply",
+        ),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_rounds_run_id_runs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_rounds")),
         sa.UniqueConstraint("run_id", "number", name=op.f("uq_rounds_run_id_number")),
     )
@@ -109,9 +115,7 @@ def upgrade() -> None:
         sa.Column("num_tokens", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("num_documents", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_shards_run_id_runs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_shards_run_id_runs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_shards")),
         sa.UniqueConstraint("run_id", "path_index", name=op.f("uq_shards_run_id_path_index")),
     )
@@ -132,12 +136,8 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["island_id"], ["islands.id"], name=op.f("fk_leases_island_id_islands"), ondelete="CASCADE"
         ),
-        sa.ForeignKeyConstraint(
-            ["path_id"], ["paths.id"], name=op.f("fk_leases_path_id_paths"), ondelete="CASCADE"
-        ),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_leases_run_id_runs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["path_id"], ["paths.id"], name=op.f("fk_leases_path_id_paths"), ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_leases_run_id_runs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_leases")),
     )
     with op.batch_alter_table("leases", schema=None) as batch_op:
@@ -160,13 +160,9 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["level_id"], ["levels.id"], name=op.f("fk_modules_level_id_levels"), ondelete="CASCADE"
         ),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_modules_run_id_runs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_modules_run_id_runs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_modules")),
-        sa.UniqueConstraint(
-            "run_id", "level_index", "index", name=op.f("uq_modules_run_id_level_index_index")
-        ),
+        sa.UniqueConstraint("run_id", "level_index", "index", name=op.f("uq_modules_run_id_level_index_index")),
     )
     with op.batch_alter_table("modules", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_modules_run_id"), ["run_id"], unique=False)
@@ -188,9 +184,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(
             ["path_id"], ["paths.id"], name=op.f("fk_contributions_path_id_paths"), ondelete="CASCADE"
         ),
-        sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_contributions_run_id_runs"), ondelete="CASCADE"
-        ),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_contributions_run_id_runs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_contributions")),
         sa.UniqueConstraint("lease_id", name=op.f("uq_contributions_lease_id")),
     )
@@ -212,10 +206,7 @@ def upgrade() -> None:
         ),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(
-            ["module_id"],
-            ["modules.id"],
-            name=op.f("fk_module_versions_module_id_modules"),
-            ondelete="CASCADE",
+            ["module_id"], ["modules.id"], name=op.f("fk_module_versions_module_id_modules"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_module_versions")),
         sa.UniqueConstraint("module_id", "version", name=op.f("uq_module_versions_module_id_version")),
@@ -248,10 +239,7 @@ def upgrade() -> None:
             ondelete="CASCADE",
         ),
         sa.ForeignKeyConstraint(
-            ["module_id"],
-            ["modules.id"],
-            name=op.f("fk_contribution_grads_module_id_modules"),
-            ondelete="CASCADE",
+            ["module_id"], ["modules.id"], name=op.f("fk_contribution_grads_module_id_modules"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("contribution_id", "module_id", name=op.f("pk_contribution_grads")),
     )

@@ -85,6 +85,7 @@ async def register_shard(
                 path_index=path_index,
                 body=body,
                 num_documents=num_documents,
+                now=state.clock(),
             )
             return ShardPublic(
                 id=shard.id,
