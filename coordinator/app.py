@@ -1,21 +1,27 @@
-"""The coordinator's FastAPI application: `create_app(settings)`; the lifespan owns engine and blob store."""
+"""The coordinator's FastAPI application: `create_app(settings)`; the lifespan owns engine, blob store and the
+background sweeper (lease expiry, deadline closes)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from coordinator import db
+from coordinator.api import routes
 from coordinator.api.deps import AppState
-from coordinator.api.routes import health, islands, leases, registry, runs
 from coordinator.auth import load_service_tokens
 from coordinator.blobstore import BlobError, LocalBlobStore
 from coordinator.errors import ServiceError
+from coordinator.metrics import Metrics
+from coordinator.services.leases import expire_stale_leases
 from coordinator.services.rounds import apply_ready_rounds
 from coordinator.settings import Settings
 from coordinator.timeutil import utcnow
@@ -40,7 +46,26 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
         tokens=load_service_tokens(settings),
         clock=clock,
         spool_dir=spool,
+        metrics=Metrics(),
     )
+
+
+def sweep(state: AppState) -> None:
+    """Expire stale leases and apply rounds that are complete, or past their deadline with quorum."""
+    now = state.clock()
+    with state.sessions() as session:
+        state.metrics.lease_expiries.inc(expire_stale_leases(session, now=now))
+        session.commit()
+        state.metrics.rounds_applied.inc(apply_ready_rounds(session, state.blobs, now=now))
+
+
+async def _sweeper(state: AppState) -> None:
+    while True:
+        await asyncio.sleep(state.settings.sweep_interval_s)
+        try:
+            await run_in_threadpool(sweep, state)
+        except Exception:  # keep sweeping: the next pass retries whatever failed
+            log.exception("background sweep failed")
 
 
 def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -> FastAPI:
@@ -54,9 +79,13 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
             recovered = apply_ready_rounds(session, state.blobs, now=clock())
             if recovered:
                 log.info("applied %d complete round(s) left over from before a restart", recovered)
+        sweeper = asyncio.create_task(_sweeper(state))
         try:
             yield
         finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
             state.engine.dispose()
 
     app = FastAPI(
@@ -75,6 +104,6 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
         log.error("blob store: %s", exc)
         return JSONResponse(status_code=500, content={"detail": f"blob store: {exc}"})
 
-    for module in (health, runs, registry, islands, leases):
+    for module in (routes.health, routes.runs, routes.registry, routes.islands, routes.leases):
         app.include_router(module.router)
     return app

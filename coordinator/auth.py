@@ -96,7 +96,7 @@ def authenticate(session: Session, tokens: ServiceTokens, authorization: str | N
 
 def require(principal: Principal, *scopes: Scope) -> None:
     if principal.scope not in scopes:
-        raise Forbidden(f"this needs a {' or '.join(scopes)} token, got a {principal.scope} token")
+        raise Forbidden(f"this needs a token of scope {' or '.join(scopes)}, got one of scope {principal.scope}")
 
 
 def require_island(principal: Principal, island_id: int) -> None:

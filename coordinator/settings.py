@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     join_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
     migrate_on_start: bool = Field(default=True, description="Run `alembic upgrade head` on start-up")
     heartbeat_interval_s: float = Field(default=10.0, gt=0, description="Islands heartbeat this often")
+    sweep_interval_s: float = Field(
+        default=1.0, gt=0, description="Background pass that expires leases and closes rounds past their deadline"
+    )
     max_upload_bytes: int = Field(default=1 << 30, gt=0, description="Cap on one outer-gradient upload")
     max_shard_bytes: int = Field(default=4 << 30, gt=0, description="Cap on one shard token file")
 

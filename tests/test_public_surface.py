@@ -29,6 +29,7 @@ def test_http_routes(tmp_path: Path) -> None:
     assert routes == [
         ("DELETE", "/v1/islands/{island_id}"),
         ("GET", "/healthz"),
+        ("GET", "/metrics"),
         ("GET", "/v1/contributions"),
         ("GET", "/v1/islands"),
         ("GET", "/v1/modules"),

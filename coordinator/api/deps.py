@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from coordinator.auth import Principal, ServiceTokens, authenticate
 from coordinator.blobstore import LocalBlobStore
 from coordinator.errors import PayloadTooLarge
+from coordinator.metrics import Metrics
 from coordinator.settings import Settings
 
 
@@ -29,6 +30,7 @@ class AppState:
     tokens: ServiceTokens
     clock: Callable[[], datetime]
     spool_dir: Path
+    metrics: Metrics
 
 
 def get_state(request: Request) -> AppState:
@@ -66,7 +68,7 @@ async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Path:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {int(declared)} bytes is over the {limit}-byte limit")
-    fd, name = tempfile.mkstemp(dir=spool_dir, suffix=".upload")
+    fd, name = tempfile.mkstemp(dir=spool_dir, suffix=".upload")  # noqa: SIM115 (closed below)
     size = 0
     try:
         with os.fdopen(fd, "wb") as out:

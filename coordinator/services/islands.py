@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from coordinator.auth import hash_token, new_token
 from coordinator.errors import NotFound
 from coordinator.models import Island, Lease, Run
 from coordinator.schemas import IslandJoin
-from coordinator.services.leases import expire_stale_leases
 
 
 def join(session: Session, spec: IslandJoin, *, now: datetime) -> tuple[Island, str]:
@@ -38,10 +37,12 @@ def get_island(session: Session, island_id: int) -> Island:
 
 
 def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
-    """Record liveness and extend the island's active leases; returns the ids still active."""
+    """Record liveness and extend the island's active leases; returns the ids still active.
+
+    Call `expire_stale_leases` first: a lease already past its expiry is not revived by a late heartbeat.
+    """
     island = get_island(session, island_id)
     island.last_heartbeat = now
-    expire_stale_leases(session, now=now)
     rows = session.execute(
         select(Lease, Run.lease_ttl_s)
         .join(Run, Run.id == Lease.run_id)
@@ -60,3 +61,14 @@ def leave(session: Session, island_id: int, *, status: str = "left") -> None:
     for lease in session.scalars(select(Lease).where(Lease.island_id == island_id, Lease.status == "active")):
         lease.status = "released"
     session.commit()
+
+
+def count_active(session: Session, *, now: datetime, within_s: float) -> int:
+    """Islands that are active and heartbeated within the last `within_s` seconds."""
+    cutoff = now - timedelta(seconds=within_s)
+    return int(
+        session.scalar(
+            select(func.count()).select_from(Island).where(Island.status == "active", Island.last_heartbeat >= cutoff)
+        )
+        or 0
+    )

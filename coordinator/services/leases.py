@@ -29,8 +29,10 @@ def expire_stale_leases(session: Session, *, now: datetime) -> int:
 
 
 def acquire_lease(session: Session, island_id: int, *, now: datetime) -> tuple[Lease | None, str]:
-    """Issue a lease to an island, or return (None, reason) with reason `waiting` or `no-running-runs`."""
-    expire_stale_leases(session, now=now)
+    """Issue a lease to an island, or return (None, reason) with reason `waiting` or `no-running-runs`.
+
+    Call `expire_stale_leases` (and commit) first so that paths of expired leases are free again.
+    """
     runs = session.scalars(select(Run).where(Run.status == "running").order_by(Run.id).with_for_update()).all()
     if not runs:
         session.commit()

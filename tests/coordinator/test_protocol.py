@@ -61,7 +61,7 @@ def test_auth_scopes(client: TestClient) -> None:
     assert wrong.status_code == 401 and wrong.json()["detail"] == "unknown token"
     scope = client.post("/v1/runs", json=TINY_RUN, headers=J)
     assert scope.status_code == 403
-    assert scope.json()["detail"] == "this needs a admin token, got a join token"
+    assert scope.json()["detail"] == "this needs a token of scope admin, got one of scope join"
     island_id, h = join(client)
     other_id, _ = join(client, "other")
     assert client.post(f"/v1/islands/{other_id}/lease", headers=h).status_code == 403
@@ -225,3 +225,64 @@ def test_weights_etag_and_history(client: TestClient) -> None:
     missing = client.get("/v1/modules/1/weights?version=7", headers=A)
     assert missing.status_code == 404
     assert missing.json()["detail"] == "module 1 has no version 7; current version is 0"
+
+
+def test_round_closes_by_deadline_and_quorum_with_one_path_missing(client: TestClient, clock: FakeClock) -> None:
+    run = create_running_run(client, quorum=0.75, round_deadline_s=60, lease_ttl_s=600)
+    island_id, h = join(client)
+    straggler_id, sh = join(client, "straggler")
+    held = lease(client, straggler_id, sh)  # path 0 is held and never uploaded
+    assert held is not None and held["path_index"] == 0
+    for _ in range(3):
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        assert upload(client, lb, h, train_lease(client, lb, h)).json()["round_applied"] is False
+    clock.advance(59)
+    assert lease(client, island_id, h) is None  # before the deadline: wait for all paths
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 0
+    clock.advance(2)
+    nxt = lease(client, island_id, h)  # the lease request closes the round: 3 of 4 >= quorum 0.75
+    assert nxt is not None and nxt["round"] == 1
+    rounds = client.get(f"/v1/runs/{run['id']}/rounds", headers=A).json()["data"]
+    assert [(r["number"], r["status"], r["contributions"]) for r in rounds] == [(0, "applied", 3), (1, "open", 0)]
+    modules = {(m["level"], m["index"]): m["version"] for m in client.get("/v1/modules", headers=A).json()["data"]}
+    # path 0 = modules (0, 0, 0, 0): level 1/2 module 0 still got path 1 / path 2 respectively
+    assert modules == {(0, 0): 1, (1, 0): 1, (1, 1): 1, (2, 0): 1, (2, 1): 1, (3, 0): 1}
+    late = upload(client, held, sh, train_lease(client, held, sh))
+    assert late.status_code == 409
+    assert late.json()["detail"] == f"lease {held['lease_id']} was issued for round 0, the run is at round 1"
+
+
+def test_round_past_deadline_without_quorum_stays_open(client: TestClient, clock: FakeClock) -> None:
+    run = create_running_run(client, quorum=0.75, round_deadline_s=10)
+    island_id, h = join(client)
+    for _ in range(2):
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        upload(client, lb, h, train_lease(client, lb, h))
+    clock.advance(100)
+    lb = lease(client, island_id, h)
+    assert lb is not None and lb["round"] == 0  # 2 of 4 < quorum: keep leasing the same round
+    assert upload(client, lb, h, train_lease(client, lb, h)).json()["round_applied"] is True
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
+
+
+def test_metrics_count_rounds_contributions_and_rejections(client: TestClient) -> None:
+    create_running_run(client, num_rounds=1)
+    island_id, h = join(client)
+    for _ in range(4):
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        grads = train_lease(client, lb, h)
+        upload(client, lb, h, grads)
+    upload(client, lb, h, grads)  # duplicate
+    upload(client, lb, h, b"junk")  # duplicate check comes first: still a duplicate
+    text = client.get("/metrics").text
+    assert "dipaco_rounds_applied_total 1.0" in text
+    assert 'dipaco_contributions_total{result="accepted"} 4.0' in text
+    assert 'dipaco_contributions_total{result="duplicate"} 2.0' in text
+    assert "dipaco_leases_issued_total 4.0" in text
+    assert "dipaco_active_islands 1.0" in text
+    r = client.post(f"/v1/leases/{lb['lease_id']}/outer-gradients", content=b"x", headers={"X-Dipaco-Tokens": "1"})
+    assert r.status_code == 401
+    assert 'dipaco_contributions_total{result="unauthorized"} 1.0' in client.get("/metrics").text

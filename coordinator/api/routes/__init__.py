@@ -1,0 +1,3 @@
+from coordinator.api.routes import health, islands, leases, registry, runs
+
+__all__ = ["health", "islands", "leases", "registry", "runs"]

@@ -44,7 +44,9 @@ def join(spec: IslandJoin, session: SessionDep, state: StateDep, principal: Prin
 @router.post("/islands/{island_id}/heartbeat", response_model=HeartbeatReply)
 def heartbeat(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> HeartbeatReply:
     require_island(principal, island_id)
-    active = islands.heartbeat(session, island_id, now=state.clock())
+    now = state.clock()
+    state.metrics.lease_expiries.inc(leases.expire_stale_leases(session, now=now))
+    active = islands.heartbeat(session, island_id, now=now)
     return HeartbeatReply(
         island_id=island_id, active_lease_ids=active, heartbeat_interval_s=state.settings.heartbeat_interval_s
     )
@@ -69,8 +71,11 @@ def leave(island_id: int, session: SessionDep, principal: PrincipalDep) -> Respo
 def lease(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> LeasePublic | Response:
     require_island(principal, island_id)
     now = state.clock()
-    rounds.apply_ready_rounds(session, state.blobs, now=now)
+    state.metrics.lease_expiries.inc(leases.expire_stale_leases(session, now=now))
+    session.commit()
+    state.metrics.rounds_applied.inc(rounds.apply_ready_rounds(session, state.blobs, now=now))
     issued, reason = leases.acquire_lease(session, island_id, now=now)
     if issued is None:
         return Response(status_code=204, headers={H_IDLE: reason, "Retry-After": str(IDLE_RETRY_AFTER_S)})
+    state.metrics.leases_issued.inc()
     return leases.lease_public(session, issued)

@@ -7,9 +7,9 @@ import math
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
 
-from coordinator.api.deps import PrincipalDep, SessionDep, StateDep, authenticate_with, spool_body
+from coordinator.api.deps import AppState, PrincipalDep, SessionDep, StateDep, authenticate_with, spool_body
 from coordinator.auth import require
-from coordinator.errors import Invalid
+from coordinator.errors import Invalid, ServiceError
 from coordinator.schemas import ContributionPublic, LeaseStatus
 from coordinator.services import leases, rounds, uploads
 
@@ -48,15 +48,32 @@ async def upload_outer_gradients(
     x_dipaco_tokens: str | None = Header(None),
     x_dipaco_train_loss: str | None = Header(None),
 ) -> ContributionPublic:
-    """Body: safetensors, one F32 tensor per parameter of the path, named `<level>/<param>`."""
+    """Body: safetensors, one F32 tensor per parameter of the path, named `<level>/<param>` (streamed)."""
+    try:
+        return await _upload(lease_id, request, state, x_dipaco_round, x_dipaco_tokens, x_dipaco_train_loss)
+    except ServiceError as exc:
+        state.metrics.contributions.labels(result=type(exc).__name__.lower()).inc()
+        raise
+
+
+async def _upload(
+    lease_id: int,
+    request: Request,
+    state: AppState,
+    round_text: str | None,
+    tokens_text: str | None,
+    loss_text: str | None,
+) -> ContributionPublic:
     principal = await run_in_threadpool(authenticate_with, state, request.headers.get("authorization"))
     require(principal, "island")
-    assert principal.island_id is not None
-    round_header = _parse_int("X-Dipaco-Round", x_dipaco_round, required=False)
-    tokens = _parse_int("X-Dipaco-Tokens", x_dipaco_tokens, required=True)
+    island_id = principal.island_id
+    assert island_id is not None
+    round_header = _parse_int("X-Dipaco-Round", round_text, required=False)
+    tokens = _parse_int("X-Dipaco-Tokens", tokens_text, required=True)
     assert tokens is not None
-    loss = _parse_float("X-Dipaco-Train-Loss", x_dipaco_train_loss)
+    loss = _parse_float("X-Dipaco-Train-Loss", loss_text)
     body = await spool_body(request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir)
+    state.metrics.bytes_in.inc(body.stat().st_size)
 
     def _submit() -> ContributionPublic:
         now = state.clock()
@@ -65,22 +82,23 @@ async def upload_outer_gradients(
                 session,
                 state.blobs,
                 lease_id=lease_id,
-                island_id=principal.island_id or 0,
+                island_id=island_id,
                 round_header=round_header,
                 tokens=tokens,
                 train_loss=loss,
                 body=body,
                 now=now,
             )
+            state.metrics.contributions.labels(result="accepted" if created else "duplicate").inc()
             applied = created and rounds.maybe_apply_round(session, state.blobs, contribution.run_id, now=now)
+            state.metrics.rounds_applied.inc(int(applied))
             lease = leases.get_lease(session, lease_id)
-            path_index = leases.lease_path_index(session, lease)
             return ContributionPublic(
                 id=contribution.id,
                 lease_id=lease_id,
                 run_id=contribution.run_id,
                 round=contribution.round,
-                path_index=path_index,
+                path_index=leases.lease_path_index(session, lease),
                 tokens=contribution.tokens,
                 train_loss=contribution.train_loss,
                 status="accepted",

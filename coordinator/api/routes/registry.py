@@ -57,6 +57,7 @@ def module_weights(
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"ETag": etag})
     data = state.blobs.get_bytes(digest)
+    state.metrics.bytes_out.inc(len(data))
     return Response(content=data, media_type="application/octet-stream", headers={"ETag": etag, H_CONTENT_HASH: digest})
 
 

@@ -75,6 +75,7 @@ async def register_shard(
     principal = await run_in_threadpool(authenticate_with, state, request.headers.get("authorization"))
     require(principal, "admin")
     body = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir)
+    state.metrics.bytes_in.inc(body.stat().st_size)
 
     def _register() -> ShardPublic:
         with state.sessions() as session:
@@ -108,6 +109,7 @@ def shard_tokens(shard_id: int, request: Request, session: SessionDep, state: St
     etag = f'"{shard.tokens_hash}"'
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"ETag": etag})
+    state.metrics.bytes_out.inc(shard.num_tokens * 2)
     return StreamingResponse(
         state.blobs.iter_verified(shard.tokens_hash),
         media_type="application/octet-stream",

@@ -1,0 +1,34 @@
+"""Prometheus metrics, one registry per app (so tests and replicas never share counters).
+
+Counters are per process, as usual for Prometheus: sum them over coordinator replicas in queries.
+`dipaco_active_islands` is read from the database at scrape time, so every replica reports the same value.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.rounds_applied = Counter(
+            "dipaco_rounds_applied", "Rounds whose outer step this process applied", registry=self.registry
+        )
+        self.contributions = Counter(
+            "dipaco_contributions",
+            "Outer-gradient uploads by result (accepted, duplicate, or the rejection reason)",
+            ["result"],
+            registry=self.registry,
+        )
+        self.bytes_in = Counter(
+            "dipaco_bytes_in", "Request body bytes received (uploads, shards)", registry=self.registry
+        )
+        self.bytes_out = Counter("dipaco_bytes_out", "Weight and shard bytes sent", registry=self.registry)
+        self.leases_issued = Counter("dipaco_leases_issued", "Leases handed to islands", registry=self.registry)
+        self.lease_expiries = Counter(
+            "dipaco_lease_expiries", "Leases that expired without an upload", registry=self.registry
+        )
+        self.active_islands = Gauge(
+            "dipaco_active_islands", "Islands that heartbeated within 3 heartbeat intervals", registry=self.registry
+        )

@@ -1,0 +1,125 @@
+"""In-process reference DiPaCo training (DiPaCo Alg. 1 with DiLoCo inner/outer steps): no HTTP, no DB.
+
+The service must produce the same numbers for the same inputs; these are the exact conventions.
+
+Initialisation
+    `init_level_modules(cfg, layout, seed=seed)`: every module of a level starts as a copy of that level's
+    weights (paper §2.2). Outer momentum starts absent (zeros) for every module.
+
+Rounds (r = 0 .. rounds-1); inside a round paths run in index order, all from the weights at round start
+    1. Path p composes its modules (`layout.path_modules(p)`) into its own persistent `PathModel` (the
+       weights are copied into the existing parameters, so the inner optimizer keeps pointing at them).
+    2. Token range: `need = H * B * T + 1` (B = inner.batch_size, T = cfg.seq_len). Path p has a cursor
+       `off_p`, starting at 0. If `off_p + need > len(tokens[p])` the cursor wraps to 0 first. The round's
+       range is `tokens[p][off_p : off_p + need]`, cut by `batches_from_tokens`, then `off_p += H * B * T`
+       (ranges overlap by the one target token at their border).
+    3. `torch.manual_seed(seed + p)`, then H AdamW steps via `train_steps(..., first_step=r * H)` (the
+       schedule is indexed by the global inner step and continues across rounds).
+    4. Inner state: one AdamW per path, created by `make_optimizer` before round 0 and kept across rounds
+       (DiLoCo keeps the inner optimizer state on the worker); it is never reset or averaged.
+    5. Outer gradient per level: `pseudo_gradient(module weights at round start, trained weights)`.
+    6. The path's train loss for the round is the mean of its H step losses.
+    After every path has trained, each module runs `outer_update` over the paths that use it, in path
+    order, with `path_weights[p]` as the weight (uniform 1.0 by default; use `alpha_weights` for §2.7).
+    Every module of the layout is used by at least one path, so every module steps every round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from modules.compose import compose_state, init_level_modules, split_state
+from modules.config import ModelConfig
+from modules.layout import Layout
+from modules.model import PathModel
+from modules.outer import OuterConfig, outer_update, pseudo_gradient
+from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(kw_only=True, slots=True)
+class SimulationResult:
+    losses: list[list[float]]
+    """losses[r][p]: mean train loss of path p over its H inner steps of round r."""
+    modules: list[list[Tensors]]
+    """modules[level][module]: final weights."""
+    momentum: list[list[Tensors | None]]
+    """momentum[level][module]: final outer Nesterov buffer (None with `method="average"`)."""
+
+
+def next_range(offset: int, *, length: int, steps: int, batch_size: int, seq_len: int) -> tuple[int, int]:
+    """(start of this round's range, next offset) of a path cursor; wraps to 0 when the range won't fit."""
+    stride = steps * batch_size * seq_len
+    if stride + 1 > length:
+        raise ValueError(f"token array of {length} tokens is shorter than one round's {stride + 1}")
+    start = 0 if offset + stride + 1 > length else offset
+    return start, start + stride
+
+
+def simulate(
+    cfg: ModelConfig,
+    layout: Layout,
+    inner: InnerConfig,
+    outer: OuterConfig,
+    *,
+    steps_per_round: int,
+    rounds: int,
+    seed: int,
+    tokens: Sequence[torch.Tensor],
+    path_weights: Sequence[float] | None = None,
+) -> SimulationResult:
+    """Run `rounds` DiPaCo rounds of H = `steps_per_round` inner steps; `tokens[p]` is path p's shard."""
+    num_paths = layout.num_paths
+    if len(tokens) != num_paths:
+        raise ValueError(f"need one token array per path: layout has {num_paths} paths, got {len(tokens)}")
+    if steps_per_round < 1 or rounds < 0:
+        raise ValueError(f"steps_per_round must be >= 1 and rounds >= 0, got {steps_per_round}, {rounds}")
+    weights = [1.0] * num_paths if path_weights is None else [float(w) for w in path_weights]
+    if len(weights) != num_paths:
+        raise ValueError(f"need one weight per path: {num_paths} paths, got {len(weights)}")
+
+    init = init_level_modules(cfg, layout, seed=seed)
+    modules: list[list[Tensors]] = [
+        [{n: t.clone() for n, t in init[lv].items()} for _ in range(layout.num_modules(lv))]
+        for lv in range(len(layout.levels))
+    ]
+    momentum: list[list[Tensors | None]] = [[None] * len(mods) for mods in modules]
+    choice = [layout.path_modules(p) for p in range(num_paths)]
+    models = [PathModel(cfg) for _ in range(num_paths)]
+    optimizers = [make_optimizer(m, inner) for m in models]
+    offsets = [0] * num_paths
+    losses: list[list[float]] = []
+
+    for r in range(rounds):
+        round_losses: list[float] = []
+        grads: list[list[Tensors]] = []  # grads[p][level]
+        for p in range(num_paths):
+            base = [modules[lv][m] for lv, m in enumerate(choice[p])]
+            models[p].load_state_dict(compose_state(base), strict=True)  # copies into the same parameters
+            start, offsets[p] = next_range(
+                offsets[p], length=tokens[p].numel(), steps=steps_per_round,
+                batch_size=inner.batch_size, seq_len=cfg.seq_len,
+            )
+            batches = batches_from_tokens(
+                tokens[p][start : start + steps_per_round * inner.batch_size * cfg.seq_len + 1],
+                batch_size=inner.batch_size, seq_len=cfg.seq_len, steps=steps_per_round,
+            )
+            torch.manual_seed(seed + p)
+            first = r * steps_per_round
+            step_losses = train_steps(models[p], optimizers[p], batches, inner, first_step=first)
+            round_losses.append(sum(step_losses) / len(step_losses))
+            trained = split_state({n: t.detach().clone() for n, t in models[p].state_dict().items()}, layout)
+            grads.append([pseudo_gradient(base[lv], trained[lv]) for lv in range(len(base))])
+        for lv, mods in enumerate(modules):
+            for m in range(len(mods)):
+                users = [p for p in range(num_paths) if choice[p][lv] == m]
+                contributions = [grads[p][lv] for p in users]
+                mods[m], momentum[lv][m] = outer_update(
+                    mods[m], contributions, [weights[p] for p in users], momentum[lv][m], outer
+                )
+        losses.append(round_losses)
+    return SimulationResult(losses=losses, modules=modules, momentum=momentum)
