@@ -20,6 +20,7 @@ from coordinator.api.deps import AppState
 from coordinator.auth import load_service_tokens
 from coordinator.blobstore import BlobError, LocalBlobStore
 from coordinator.errors import ServiceError
+from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.services.leases import expire_stale_leases
 from coordinator.services.rounds import apply_ready_rounds
@@ -47,6 +48,7 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
         clock=clock,
         spool_dir=spool,
         metrics=Metrics(),
+        faults=FaultInjector(pause_at=settings.fault_pause_at, marker_dir=settings.data_dir.resolve()),
     )
 
 
@@ -56,7 +58,7 @@ def sweep(state: AppState) -> None:
     with state.sessions() as session:
         state.metrics.lease_expiries.inc(expire_stale_leases(session, now=now))
         session.commit()
-        state.metrics.rounds_applied.inc(apply_ready_rounds(session, state.blobs, now=now))
+        state.metrics.rounds_applied.inc(apply_ready_rounds(session, state.blobs, now=now, faults=state.faults))
 
 
 async def _sweeper(state: AppState) -> None:
@@ -76,7 +78,7 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
         if state.tokens.generated_file is not None:
             log.info("admin and join tokens are in %s", state.tokens.generated_file)
         with state.sessions() as session:
-            recovered = apply_ready_rounds(session, state.blobs, now=clock())
+            recovered = apply_ready_rounds(session, state.blobs, now=clock(), faults=state.faults)
             if recovered:
                 log.info("applied %d complete round(s) left over from before a restart", recovered)
         sweeper = asyncio.create_task(_sweeper(state))

@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     sweep_interval_s: float = Field(
         default=1.0, gt=0, description="Background pass that expires leases and closes rounds past their deadline"
     )
+    fault_pause_at: str | None = Field(default=None, description="Crash tests only: see coordinator/faults.py")
     max_upload_bytes: int = Field(default=1 << 30, gt=0, description="Cap on one outer-gradient upload")
     max_shard_bytes: int = Field(default=4 << 30, gt=0, description="Cap on one shard token file")
 

@@ -9,6 +9,7 @@ from coordinator.registry_cli import app as registry_app
 from dipaco.demo import demo
 from island.cli import app as island_app
 from router.cli import app as router_app
+from router.eval_cli import eval_command
 
 app = typer.Typer(
     help="dipaco: train modular language models (DiPaCo / DiLoCo) across loosely connected sites.",
@@ -20,6 +21,7 @@ app.add_typer(island_app, name="island")
 app.add_typer(router_app, name="router")
 app.add_typer(registry_app, name="registry")
 app.command()(demo)
+app.command("eval")(eval_command)
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from alembic import context
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
 from coordinator.models import Base
 
@@ -37,6 +37,9 @@ def run_online() -> None:
             compare_type=True,
         )
         with context.begin_transaction():
+            if connection.dialect.name == "postgresql":
+                # Replicas starting together on one database: migrate one at a time.
+                connection.execute(text("SELECT pg_advisory_xact_lock(72430001)"))
             context.run_migrations()
     engine.dispose()
 

@@ -16,6 +16,7 @@ from rich.table import Table
 from router.corpus import CorpusError, build_local_corpus
 from router.router import RouterError
 from router.shards import ShardError, load_manifest, shard_corpus
+from router.sources import FORMATS, build_corpus_from
 
 app = typer.Typer(help="Corpus and routing: build the local corpus, fit the router, write shards.",
                   no_args_is_help=True)
@@ -46,20 +47,36 @@ def _user_errors() -> Iterator[None]:
 def corpus(
     out: Annotated[Path, typer.Option(help="Output directory for train/heldout jsonl + manifest.")],
     max_docs_per_domain: Annotated[int, typer.Option(min=1, help="Documents read per domain.")] = 400,
+    source: Annotated[Path | None, typer.Option(
+        "--from", help="Your corpus: a directory of .txt/.md, a .jsonl file/dir or a parquet file/dir. "
+        "Default: the built-in local corpus.")] = None,
+    fmt: Annotated[str | None, typer.Option(
+        "--format", help="txt, jsonl or parquet (default: from the file names).")] = None,
+    text_field: Annotated[str, typer.Option(help="JSON field / parquet column holding the text.")] = "text",
+    heldout_fraction: Annotated[float, typer.Option(min=0.0, max=0.99, help="Share of held-out documents.")] = 0.1,
 ) -> None:
-    """Build the local multi-domain corpus from text found on this machine."""
+    """Build a corpus: the local multi-domain one from text found on this machine, or yours with --from."""
     with _user_errors():
-        manifest = build_local_corpus(out, max_docs_per_domain=max_docs_per_domain)
+        if source is None:
+            manifest = build_local_corpus(out, max_docs_per_domain=max_docs_per_domain,
+                                          heldout_fraction=heldout_fraction)
+        else:
+            if fmt is not None and fmt not in FORMATS:
+                raise CorpusError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+            manifest = build_corpus_from(source, out, fmt=fmt, text_field=text_field,  # type: ignore[arg-type]
+                                         heldout_fraction=heldout_fraction)
     table = Table(title=f"corpus in {out}")
     for column in ("domain", "train docs", "train bytes", "held-out docs", "held-out bytes", "skipped"):
         table.add_column(column, justify="left" if column in ("domain", "skipped") else "right")
     for name, entry in manifest["domains"].items():
-        skipped = ", ".join(f"{k}={v}" for k, v in entry["skipped"].items()) or "-"
+        skipped = ", ".join(f"{k}={v}" for k, v in entry.get("skipped", {}).items()) or "-"
         table.add_row(name, str(entry["train"]["documents"]), f"{entry['train']['bytes']:,}",
                       str(entry["heldout"]["documents"]), f"{entry['heldout']['bytes']:,}", skipped)
     splits = manifest["splits"]
+    total_skipped = ", ".join(f"{k}={v}" for k, v in manifest.get("skipped", {}).items())
     table.add_row("total", str(splits["train"]["documents"]), f"{splits['train']['bytes']:,}",
-                  str(splits["heldout"]["documents"]), f"{splits['heldout']['bytes']:,}", "", style="bold")
+                  str(splits["heldout"]["documents"]), f"{splits['heldout']['bytes']:,}", total_skipped,
+                  style="bold")
     console = _console()
     console.print(table)
     if manifest["missing_domains"]:
@@ -74,10 +91,20 @@ def shard(
     paths: Annotated[int, typer.Option(min=1, help="Number of paths (k-means clusters).")],
     prefix_tokens: Annotated[int, typer.Option(min=1, help="Route by this many leading tokens.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed for the SVD and k-means.")] = 0,
+    levels: Annotated[str | None, typer.Option(
+        help="Product k-means: clusters per routed level, e.g. 2,2 (their product must equal --paths).")] = None,
+    balance: Annotated[bool, typer.Option(help="Keep every shard within the token-share bounds.")] = True,
+    min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Least tokens per shard / fair share.")] = 0.5,
+    max_share: Annotated[float, typer.Option(min=1.0, help="Most tokens per shard / fair share.")] = 2.0,
 ) -> None:
     """Fit the prefix router on the train split and write one token shard per path."""
     with _user_errors():
-        manifest = shard_corpus(corpus, out, num_paths=paths, prefix_tokens=prefix_tokens, seed=seed)
+        try:
+            level_list = [int(x) for x in levels.split(",")] if levels else None
+        except ValueError as exc:
+            raise ShardError(f"--levels must be comma-separated integers, got {levels!r}") from exc
+        manifest = shard_corpus(corpus, out, num_paths=paths, prefix_tokens=prefix_tokens, seed=seed,
+                                levels=level_list, balance=balance, min_share=min_share, max_share=max_share)
     table = Table(title=f"{paths} shards in {out}")
     for column in ("path", "docs", "tokens", "top domain"):
         table.add_column(column, justify="left" if column == "top domain" else "right")
@@ -89,6 +116,9 @@ def shard(
     console.print(table)
     console.print(f"purity {manifest['purity']:.3f} (random assignment of the same sizes: "
                   f"{manifest['purity_random']:.3f})")
+    shares = manifest["balance"]["token_shares"]
+    note = "" if manifest["balance"]["satisfied"] or not balance else " [yellow](outside the bounds)[/yellow]"
+    console.print(f"token share per shard / fair share: {min(shares):.2f} to {max(shares):.2f}{note}")
 
 
 def register_shards(shards_dir: Path, *, client: httpx.Client, run_id: int) -> list[dict[str, Any]]:

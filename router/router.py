@@ -1,7 +1,16 @@
 """k-means routing of documents to paths by their prefix (DiPaCo §2.4).
 
 `fit_router` learns the featurizer and `num_paths` centroids; `Router.route` sends each text to its nearest
-centroid. A fitted router is saved as safetensors (idf, svd_components, centroids) plus `router.json` with the
+centroid, plus an optional per-path offset (`bias`, see `router.balance`) that keeps the shards balanced.
+
+Product k-means (paper App. 7.3, `levels=[k1, k2, ...]` with two or more routed levels): the feature dimensions
+are cut into one contiguous block per level, one k-means is fitted per level on its block, and path index =
+mixed radix of the per-level clusters (first level most significant, as `modules.layout.Layout.path_modules`).
+Because a squared distance is the sum of the blocks' squared distances, the nearest of the K1*K2*... concatenated
+centroids is exactly the combination of the per-level nearest ones: such a router is stored as that full
+centroid table and routes with the same code.
+
+A fitted router is saved as safetensors (idf, svd_components, centroids, bias) plus `router.json` with the
 hyper-parameters; nothing is pickled.
 
 Empty clusters: after k-means, every training document is routed with the same code `route` uses; if a path
@@ -46,6 +55,10 @@ class Router:
     """(dims, n_features) truncated-SVD projection."""
     centroids: np.ndarray
     """(num_paths, dims) k-means centroids."""
+    bias: np.ndarray | None = None
+    """(num_paths,) offsets added to the squared distances (balancing); None: plain nearest centroid."""
+    levels: tuple[int, ...] | None = None
+    """Clusters per routed level for product k-means (product = num_paths); None: one k-means."""
 
     @property
     def num_paths(self) -> int:
@@ -63,17 +76,21 @@ class Router:
         """Path index (int64) of each text: its nearest centroid, lowest index on ties."""
         if not texts:
             return np.zeros(0, dtype=np.int64)
-        return _nearest(self.embed(texts), self.centroids)
+        return _nearest(self.embed(texts), self.centroids, self.bias)
 
     def save(self, directory: Path) -> None:
         """Write `router.safetensors` then `router.json` (the JSON last: complete-or-absent)."""
         directory.mkdir(parents=True, exist_ok=True)
         weights = directory / WEIGHTS_FILE
         tmp = directory / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
-        save_file({"idf": self.idf, "svd_components": self.components, "centroids": self.centroids}, str(tmp))
+        arrays = {"idf": self.idf, "svd_components": self.components, "centroids": self.centroids}
+        if self.bias is not None:
+            arrays["bias"] = self.bias
+        save_file(arrays, str(tmp))
         os.replace(tmp, weights)
         config = {"format": ROUTER_FORMAT, "num_paths": self.num_paths, "seed": self.seed,
-                  "features": self.features.to_dict()}
+                  "features": self.features.to_dict(), "levels": list(self.levels) if self.levels else None,
+                  "balanced": self.bias is not None}
         tmp = directory / f".{CONFIG_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, directory / CONFIG_FILE)
@@ -90,7 +107,8 @@ class Router:
             )
         arrays = load_file(str(weights_path))
         router = cls(features=FeatureConfig(**config["features"]), seed=int(config["seed"]),
-                     idf=arrays["idf"], components=arrays["svd_components"], centroids=arrays["centroids"])
+                     idf=arrays["idf"], components=arrays["svd_components"], centroids=arrays["centroids"],
+                     bias=arrays.get("bias"), levels=tuple(config["levels"]) if config.get("levels") else None)
         if router.num_paths != config["num_paths"] or router.idf.shape != (router.features.n_features,):
             raise RouterError(
                 f"{directory}: arrays do not match {CONFIG_FILE} (centroids {router.centroids.shape}, "
@@ -99,9 +117,11 @@ class Router:
         return router
 
 
-def _nearest(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+def _nearest(x: np.ndarray, centroids: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     # |x - c|^2 = |x|^2 - 2 x.c + |c|^2; |x|^2 is the same for every centroid, so it is left out.
     scores = (centroids * centroids).sum(axis=1)[None, :] - 2.0 * (x @ centroids.T)
+    if bias is not None:
+        scores = scores + bias[None, :]
     return np.argmin(scores, axis=1).astype(np.int64)
 
 
@@ -133,6 +153,35 @@ def _fill_empty_paths(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     return centroids
 
 
+def _kmeans(x: np.ndarray, k: int, *, seed: int, n_init: int, what: str) -> np.ndarray:
+    distinct = len(np.unique(np.round(x, 12), axis=0))
+    if distinct < k:
+        raise RouterError(
+            f"cannot give every one of {k} {what} a document: only {distinct} distinct prefixes "
+            f"among {len(x)} documents"
+        )
+    kmeans = KMeans(n_clusters=k, random_state=seed, n_init=n_init).fit(x)
+    return _fill_empty_paths(x, np.asarray(kmeans.cluster_centers_, dtype=np.float64))
+
+
+def level_blocks(dims: int, num_levels: int) -> list[np.ndarray]:
+    """Feature indices of each routed level for product k-means: contiguous, as equal as possible."""
+    return [b for b in np.array_split(np.arange(dims), num_levels)]
+
+
+def product_centroids(per_level: list[np.ndarray], blocks: list[np.ndarray]) -> np.ndarray:
+    """(prod K_l, dims) table: row p concatenates level l's centroid digit_l(p) (mixed radix, first level most
+    significant) into that level's feature block."""
+    ks = [c.shape[0] for c in per_level]
+    dims = sum(len(b) for b in blocks)
+    grids = np.meshgrid(*[np.arange(k) for k in ks], indexing="ij")  # C order == mixed radix
+    digits = [g.reshape(-1) for g in grids]
+    table = np.zeros((int(np.prod(ks)), dims), dtype=np.float64)
+    for c, block, d in zip(per_level, blocks, digits, strict=True):
+        table[:, block] = c[d]
+    return table
+
+
 def fit_router(
     prefixes: list[str],
     *,
@@ -141,10 +190,17 @@ def fit_router(
     seed: int = 0,
     svd_dims: int = 32,
     n_init: int = 10,
+    levels: list[int] | None = None,
 ) -> Router:
-    """Fit the featurizer and k-means on the training documents (only their prefixes are used)."""
+    """Fit the featurizer and k-means (product k-means when `levels` has two or more entries) on the training
+    documents (only their prefixes are used). The returned router is unbalanced; see `router.balance`."""
     if num_paths < 1:
         raise RouterError(f"num_paths must be >= 1, got {num_paths}")
+    if levels is not None:
+        if any(k < 1 for k in levels) or int(np.prod(levels)) != num_paths:
+            raise RouterError(f"levels {levels} do not multiply to num_paths={num_paths}")
+        if len(levels) < 2:
+            levels = None
     if len(prefixes) < num_paths:
         raise RouterError(
             f"cannot route {len(prefixes)} documents to {num_paths} paths: "
@@ -156,12 +212,14 @@ def fit_router(
     with threadpool_limits(limits=1):
         idf, components = fit_features(prefixes, features, seed=seed)
         x = transform(prefixes, features, idf, components)
-        distinct = len(np.unique(np.round(x, 12), axis=0))
-        if distinct < num_paths:
-            raise RouterError(
-                f"cannot give every one of {num_paths} paths a document: only {distinct} distinct prefixes "
-                f"among {len(prefixes)} documents"
-            )
-        kmeans = KMeans(n_clusters=num_paths, random_state=seed, n_init=n_init).fit(x)
-    centroids = _fill_empty_paths(x, np.asarray(kmeans.cluster_centers_, dtype=np.float64))
-    return Router(features=features, seed=seed, idf=idf, components=components, centroids=centroids)
+        if levels is None:
+            centroids = _kmeans(x, num_paths, seed=seed, n_init=n_init, what="paths")
+        else:
+            if x.shape[1] < len(levels):
+                raise RouterError(f"{x.shape[1]} feature dimensions cannot be split over {len(levels)} levels")
+            blocks = level_blocks(x.shape[1], len(levels))
+            per_level = [_kmeans(x[:, b], k, seed=seed + i, n_init=n_init, what=f"clusters of level {i}")
+                         for i, (b, k) in enumerate(zip(blocks, levels, strict=True))]
+            centroids = product_centroids(per_level, blocks)
+    return Router(features=features, seed=seed, idf=idf, components=components, centroids=centroids,
+                  levels=tuple(levels) if levels else None)

@@ -1,7 +1,9 @@
 """Shards: the train split routed to one token file per path, plus the router and a manifest (written last).
 
-Each shard `path-{i:04d}.tokens` holds the byte tokens of its documents, each followed by EOS, as
-little-endian uint16. The output is byte-for-byte deterministic for the same corpus and parameters.
+Each shard `path-{i:04d}.tokens` holds the byte tokens of its documents (in corpus order), each followed by EOS,
+as little-endian uint16. The output is byte-for-byte deterministic for the same corpus and parameters. The
+manifest records the purity by domain (and that of a random assignment of the same sizes), the product k-means
+levels, and the balance: each shard's token share relative to the fair share, before and after balancing.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ import json
 import logging
 import os
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from router.balance import BalanceError, fit_bias, scores, token_shares
 from router.corpus import MANIFEST_FILE, TRAIN_FILE, CorpusError, iter_jsonl
-from router.router import fit_router
+from router.router import Router, fit_router
 from router.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
 log = logging.getLogger(__name__)
@@ -36,15 +40,23 @@ def shard_file_name(path_index: int) -> str:
     return f"path-{path_index:04d}.tokens"
 
 
+def _domain_codes(domains: list[str]) -> tuple[np.ndarray, int]:
+    _, codes = np.unique(np.asarray(domains, dtype=object).astype(str), return_inverse=True)
+    return codes.astype(np.int64), int(codes.max()) + 1 if len(codes) else 0
+
+
+def _purity_codes(labels: np.ndarray, codes: np.ndarray, num_domains: int) -> float:
+    if len(codes) == 0:
+        return 0.0
+    table = np.zeros((int(labels.max()) + 1, num_domains), dtype=np.int64)
+    np.add.at(table, (labels, codes), 1)
+    return float(table.max(axis=1).sum() / len(codes))
+
+
 def purity(labels: np.ndarray, domains: list[str]) -> float:
     """Fraction of documents whose domain is the majority domain of their shard."""
-    if len(domains) == 0:
-        return 0.0
-    majority = 0
-    for path in np.unique(labels):
-        counts = Counter(d for d, lab in zip(domains, labels, strict=True) if lab == path)
-        majority += max(counts.values())
-    return majority / len(domains)
+    codes, num_domains = _domain_codes(domains)
+    return _purity_codes(np.asarray(labels, dtype=np.int64), codes, num_domains)
 
 
 def random_purity(
@@ -52,7 +64,9 @@ def random_purity(
 ) -> float:
     """Mean purity of random assignments with the same shard sizes (the labels, shuffled)."""
     rng = np.random.default_rng(seed)
-    return float(np.mean([purity(rng.permutation(labels), domains) for _ in range(trials)]))
+    codes, num_domains = _domain_codes(domains)
+    labels = np.asarray(labels, dtype=np.int64)
+    return float(np.mean([_purity_codes(rng.permutation(labels), codes, num_domains) for _ in range(trials)]))
 
 
 def _sha256_file(path: Path) -> str:
@@ -63,6 +77,27 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _scan(train: Path, prefix_tokens: int, tok: ByteTokenizer) -> tuple[list[str], np.ndarray, list[str]]:
+    """Pass 1: the prefix text, token count (+ EOS) and domain of every document; texts are not kept."""
+    prefix_texts: list[str] = []
+    sizes: list[int] = []
+    domains: list[str] = []
+    for doc in iter_jsonl(train):
+        data = doc["text"].encode("utf-8")
+        prefix_texts.append(tok.prefix_text(doc["text"], prefix_tokens))
+        sizes.append(len(data) + 1)
+        domains.append(str(doc.get("domain", "")))
+    return prefix_texts, np.asarray(sizes, dtype=np.int64), domains
+
+
+def _route_scores(router: Router, prefix_texts: list[str], batch_docs: int) -> np.ndarray:
+    """(N, K) unbiased scores of every document, featurized in batches (bounded memory)."""
+    out = np.empty((len(prefix_texts), router.num_paths), dtype=np.float64)
+    for b in range(0, len(prefix_texts), batch_docs):
+        out[b : b + batch_docs] = scores(router.embed(prefix_texts[b : b + batch_docs]), router.centroids)
+    return out
+
+
 def shard_corpus(
     corpus_dir: Path,
     out_dir: Path,
@@ -71,20 +106,61 @@ def shard_corpus(
     prefix_tokens: int = 32,
     seed: int = 0,
     min_tokens_per_shard: int = 0,
+    balance: bool = True,
+    strict_balance: bool = False,
+    min_share: float = 0.5,
+    max_share: float = 2.0,
+    levels: list[int] | None = None,
+    fit_sample: int = 50_000,
+    batch_docs: int = 4096,
 ) -> dict[str, Any]:
-    """Fit the router on the train split, write one token file per path, the router and the manifest."""
+    """Fit the router on the train split, write one token file per path, the router and the manifest.
+
+    Streams the train split twice and never holds the texts: pass 1 keeps each document's prefix, token count
+    and domain (tens of bytes per document); the router is fitted on `fit_sample` documents at most (a seeded
+    random subset), balanced on all of them (`balance`: every path gets between `min_share` and `max_share`
+    times its fair share of tokens, see `router.balance`), then pass 2 appends each document's tokens to its
+    shard. When the bounds cannot be met (typically: many documents share one prefix, so they must share a
+    path), `strict_balance` raises `ShardError`; otherwise the closest balance found is used, a warning is
+    logged and the manifest says `"satisfied": false`. `levels=[2, 2]` fits product k-means (one k-means per
+    routed level, path = mixed radix).
+    """
     corpus_manifest = corpus_dir / MANIFEST_FILE
     if not corpus_manifest.is_file():
         raise CorpusError(f"no corpus manifest at {corpus_manifest}; build the corpus first")
-    docs = list(iter_jsonl(corpus_dir / TRAIN_FILE))
-    texts = [d["text"] for d in docs]
-    domains = [d["domain"] for d in docs]
-    router = fit_router(texts, num_paths=num_paths, prefix_tokens=prefix_tokens, seed=seed)
-    labels = router.route(texts)
-
+    if fit_sample < 1 or batch_docs < 1:
+        raise ShardError(f"fit_sample={fit_sample} and batch_docs={batch_docs} must be >= 1")
+    train = corpus_dir / TRAIN_FILE
     tok = ByteTokenizer()
-    sizes = [len(t.encode("utf-8")) + 1 for t in texts]  # + EOS
+    prefix_texts, sizes, domains = _scan(train, prefix_tokens, tok)
+    n = len(prefix_texts)
+    if n > fit_sample:
+        fit_idx = np.sort(np.random.default_rng(seed).choice(n, size=fit_sample, replace=False))
+        fit_texts = [prefix_texts[i] for i in fit_idx]
+    else:
+        fit_texts = prefix_texts
+    router = fit_router(fit_texts, num_paths=num_paths, prefix_tokens=prefix_tokens, seed=seed, levels=levels)
+    s = _route_scores(router, prefix_texts, batch_docs)
+    if balance:
+        try:
+            router.bias = fit_bias(s, sizes, min_share=min_share, max_share=max_share, strict=strict_balance)
+        except BalanceError as exc:
+            raise ShardError(f"balancing {n} documents over {num_paths} paths: {exc}") from exc
+    unbalanced = np.argmin(s, axis=1)
+    labels = np.argmin(s + (router.bias[None, :] if router.bias is not None else 0.0), axis=1)
+    del s
+
+    shares = token_shares(labels, sizes, num_paths)
+    satisfied = bool(((shares >= min_share - 1e-12) & (shares <= max_share + 1e-12)).all())
+    if balance and not satisfied:
+        log.warning("shards: token shares %s are outside [%s, %s] (the closest balance found); see the "
+                    "manifest", np.round(shares, 3).tolist(), min_share, max_share)
     num_tokens = np.bincount(labels, weights=sizes, minlength=num_paths).astype(np.int64)
+    num_docs = np.bincount(labels, minlength=num_paths)
+    empty = np.flatnonzero(num_docs == 0).tolist()
+    if empty:
+        raise ShardError(f"paths {empty} get no document (product k-means combinations nobody falls in); "
+                         "turn balancing on or use fewer paths")
     too_small = [(i, int(n)) for i, n in enumerate(num_tokens) if n < min_tokens_per_shard]
     if too_small:
         listed = ", ".join(f"path {i}: {n} tokens" for i, n in too_small)
@@ -93,25 +169,34 @@ def shard_corpus(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # complete-or-absent
     router.save(out_dir / ROUTER_DIR)
-    shards: list[dict[str, Any]] = []
-    for path_index in range(num_paths):
-        members = np.flatnonzero(labels == path_index)
-        target = out_dir / shard_file_name(path_index)
-        tmp = out_dir / f".{target.name}.tmp-{os.getpid()}"
-        digest = hashlib.sha256()
-        with open(tmp, "wb") as fh:
-            for i in members:
-                data = tok.encode_array(texts[i], eos=True).tobytes()
-                digest.update(data)
-                fh.write(data)
+    targets = [out_dir / shard_file_name(p) for p in range(num_paths)]
+    tmps = [out_dir / f".{t.name}.tmp-{os.getpid()}" for t in targets]
+    digests = [hashlib.sha256() for _ in range(num_paths)]
+    with ExitStack() as stack:
+        files = [stack.enter_context(open(t, "wb", buffering=1 << 20)) for t in tmps]
+        for i, doc in enumerate(iter_jsonl(train)):  # pass 2: the same file, the same order
+            if i >= n:
+                raise ShardError(f"{train} changed while sharding (more than {n} documents)")
+            data = tok.encode_array(doc["text"], eos=True).tobytes()
+            if len(data) != 2 * sizes[i]:
+                raise ShardError(f"{train} changed while sharding (document {i})")
+            digests[labels[i]].update(data)
+            files[labels[i]].write(data)
+        for fh in files:
             fh.flush()
             os.fsync(fh.fileno())
+    for tmp, target in zip(tmps, targets, strict=True):
         os.replace(tmp, target)
-        shard_domains = Counter(domains[i] for i in members)
+
+    codes, num_domains = _domain_codes(domains)
+    shards: list[dict[str, Any]] = []
+    for path_index in range(num_paths):
+        members = labels == path_index
+        shard_domains = Counter(np.asarray(domains, dtype=object)[members].tolist())
         shards.append({
-            "path_index": path_index, "file": target.name, "sha256": digest.hexdigest(),
-            "num_tokens": int(num_tokens[path_index]), "num_documents": int(members.size),
-            "domains": dict(sorted(shard_domains.items())),
+            "path_index": path_index, "file": targets[path_index].name,
+            "sha256": digests[path_index].hexdigest(), "num_tokens": int(num_tokens[path_index]),
+            "num_documents": int(num_docs[path_index]), "domains": dict(sorted(shard_domains.items())),
         })
     manifest: dict[str, Any] = {
         "format": SHARDS_FORMAT,
@@ -123,14 +208,23 @@ def shard_corpus(
         "corpus_manifest_sha256": _sha256_file(corpus_manifest),
         "router_dir": ROUTER_DIR,
         "shards": shards,
-        "purity": purity(labels, domains),
+        "purity": _purity_codes(labels, codes, num_domains),
         "purity_random": random_purity(labels, domains, seed=seed),
+        "levels": list(levels) if levels and len(levels) >= 2 else [num_paths],
+        "fit_documents": len(fit_texts),
+        "balance": {
+            "enabled": balance, "min_share": min_share, "max_share": max_share,
+            "satisfied": satisfied,
+            "token_shares": [round(float(x), 6) for x in shares],
+            "unbalanced_token_shares": [round(float(x), 6) for x in token_shares(unbalanced, sizes, num_paths)],
+            "moved_documents": int((labels != unbalanced).sum()),
+        },
     }
     tmp = out_dir / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, out_dir / MANIFEST_FILE)
-    log.info("shards: %d paths, purity %.3f (random %.3f)", num_paths, manifest["purity"],
-             manifest["purity_random"])
+    log.info("shards: %d paths, purity %.3f (random %.3f), token shares %s", num_paths, manifest["purity"],
+             manifest["purity_random"], manifest["balance"]["token_shares"])
     return manifest
 
 

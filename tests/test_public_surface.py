@@ -17,6 +17,7 @@ def test_cli_commands() -> None:
     assert groups == {
         "coordinator": ["serve"],
         "demo": [],
+        "eval": [],
         "island": ["join"],
         "registry": ["islands", "modules", "paths", "runs"],
         "router": ["corpus", "register", "shard"],

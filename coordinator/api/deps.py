@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from coordinator.auth import Principal, ServiceTokens, authenticate
 from coordinator.blobstore import LocalBlobStore
 from coordinator.errors import PayloadTooLarge
+from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.settings import Settings
 
@@ -31,6 +32,7 @@ class AppState:
     clock: Callable[[], datetime]
     spool_dir: Path
     metrics: Metrics
+    faults: FaultInjector
 
 
 def get_state(request: Request) -> AppState:

@@ -22,6 +22,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from coordinator.blobstore import LocalBlobStore
+from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
 from coordinator.timeutil import as_utc
 from modules import OuterConfig, accumulate, decode, encode, nesterov_step
@@ -29,7 +30,9 @@ from modules import OuterConfig, accumulate, decode, encode, nesterov_step
 log = logging.getLogger(__name__)
 
 
-def maybe_apply_round(session: Session, blobs: LocalBlobStore, run_id: int, *, now: datetime) -> bool:
+def maybe_apply_round(
+    session: Session, blobs: LocalBlobStore, run_id: int, *, now: datetime, faults: FaultInjector = NO_FAULTS
+) -> bool:
     """Apply the run's current round if every path contributed; True if this call applied it."""
     run = session.scalar(select(Run).where(Run.id == run_id).with_for_update())
     if run is None or run.status != "running":
@@ -100,6 +103,7 @@ def maybe_apply_round(session: Session, blobs: LocalBlobStore, run_id: int, *, n
         run.status = "finished"
     else:
         open_round(session, run, run.current_round, now=now)
+    faults.point("apply.before_commit")
     session.commit()
     log.info("run %s: round %s applied (%s of %s paths)", run.id, number, contributed, run.num_paths)
     return True
@@ -117,11 +121,13 @@ def open_round(session: Session, run: Run, number: int, *, now: datetime) -> Rou
     return rnd
 
 
-def apply_ready_rounds(session: Session, blobs: LocalBlobStore, *, now: datetime) -> int:
+def apply_ready_rounds(
+    session: Session, blobs: LocalBlobStore, *, now: datetime, faults: FaultInjector = NO_FAULTS
+) -> int:
     """Recovery sweep (start-up, lease requests): apply any round that is complete but not yet applied."""
     applied = 0
     run_ids = session.scalars(select(Run.id).where(Run.status == "running")).all()
     session.rollback()
     for run_id in run_ids:
-        applied += int(maybe_apply_round(session, blobs, run_id, now=now))
+        applied += int(maybe_apply_round(session, blobs, run_id, now=now, faults=faults))
     return applied

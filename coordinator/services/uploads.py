@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from coordinator.blobstore import LocalBlobStore
 from coordinator.errors import Conflict, Forbidden, Invalid
+from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Lease, Module, Path, Run
 from coordinator.schemas import GRAD_KEY_SEP
 from coordinator.services.leases import get_lease
@@ -37,6 +38,7 @@ def submit_outer_gradients(
     train_loss: float,
     body: FilePath,
     now: datetime,
+    faults: FaultInjector = NO_FAULTS,
 ) -> tuple[Contribution, bool]:
     """Returns (contribution, created); created is False for an idempotent retry."""
     lease = get_lease(session, lease_id)
@@ -106,6 +108,7 @@ def submit_outer_gradients(
     path.tokens_trained += tokens
     path.last_train_loss = train_loss
     path.last_island_id = island_id
+    faults.point("upload.before_commit")
     session.commit()
     return contribution, True
 

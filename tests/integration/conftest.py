@@ -34,6 +34,7 @@ class Cluster:
     port: int = field(default_factory=free_port)
     coordinator: subprocess.Popen[bytes] | None = None
     islands: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    replicas: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -46,9 +47,13 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {**os.environ, "DIPACO_ADMIN_TOKEN": ADMIN, "DIPACO_JOIN_TOKEN": JOIN, "OMP_NUM_THREADS": "1"}
 
-    def start_coordinator(self, *, wait: bool = True) -> subprocess.Popen[bytes]:
-        log = (self.tmp / "coordinator.log").open("ab")
-        self.coordinator = subprocess.Popen(
+    def start_coordinator(
+        self, *, wait: bool = True, env: dict[str, str] | None = None, port: int | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start the coordinator on `self.port`; with another `port`, start an extra replica (same DB, blobs)."""
+        replica = port is not None and port != self.port
+        log = (self.tmp / ("coordinator.log" if not replica else f"coordinator-{port}.log")).open("ab")
+        proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -56,7 +61,7 @@ class Cluster:
                 "coordinator",
                 "serve",
                 "--port",
-                str(self.port),
+                str(port or self.port),
                 "--data-dir",
                 str(self.data_dir),
                 "--database-url",
@@ -66,25 +71,34 @@ class Cluster:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self.env(),
+            env={**self.env(), **(env or {})},
         )
+        if replica:
+            self.replicas.append(proc)
+            if wait:
+                self.wait_healthy(proc=proc, url=f"http://127.0.0.1:{port}")
+            return proc
+        self.coordinator = proc
         if wait:
             self.wait_healthy()
-        return self.coordinator
+        return proc
 
-    def wait_healthy(self, timeout_s: float = 60) -> None:
+    def wait_healthy(
+        self, timeout_s: float = 60, *, proc: subprocess.Popen[bytes] | None = None, url: str | None = None
+    ) -> None:
+        proc = proc or self.coordinator
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            assert self.coordinator is not None and self.coordinator.poll() is None, self.log("coordinator")
+            assert proc is not None and proc.poll() is None, self.log("coordinator")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                if httpx.get(f"{url or self.url}/healthz", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"coordinator not healthy after {timeout_s} s\n{self.log('coordinator')}")
 
-    def start_island(self, name: str, *extra: str) -> subprocess.Popen[bytes]:
+    def start_island(self, name: str, *extra: str, url: str | None = None) -> subprocess.Popen[bytes]:
         log = (self.tmp / f"{name}.log").open("ab")
         proc = subprocess.Popen(
             [
@@ -94,7 +108,7 @@ class Cluster:
                 "island",
                 "join",
                 "--coordinator",
-                self.url,
+                url or self.url,
                 "--token",
                 JOIN,
                 "--name",
@@ -121,10 +135,11 @@ class Cluster:
         return httpx.Client(base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {ADMIN}"})
 
     def stop(self) -> None:
-        for proc in [*self.islands, *([self.coordinator] if self.coordinator else [])]:
+        procs = [*self.islands, *self.replicas, *([self.coordinator] if self.coordinator else [])]
+        for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in [*self.islands, *([self.coordinator] if self.coordinator else [])]:
+        for proc in procs:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -163,3 +178,12 @@ def wait_finished(cluster: Cluster, client: httpx.Client, run_id: int, timeout_s
         time.sleep(0.3)
     logs = "\n".join(f"--- {p.args[9] if len(p.args) > 9 else p.args}: {p.poll()}" for p in cluster.islands)
     raise TimeoutError(f"run {run_id} not finished after {timeout_s} s: {run}\n{logs}\n{cluster.log('coordinator')}")
+
+
+def wait_islands_joined(client: httpx.Client, count: int, timeout_s: float = 60) -> None:
+    """Wait until `count` islands are registered (so work starts only once all of them are there)."""
+    deadline = time.monotonic() + timeout_s
+    while client.get("/v1/islands", params={"status": "active"}).json()["count"] < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {count} islands joined within {timeout_s} s")
+        time.sleep(0.2)

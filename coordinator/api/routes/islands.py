@@ -73,7 +73,7 @@ def lease(island_id: int, session: SessionDep, state: StateDep, principal: Princ
     now = state.clock()
     state.metrics.lease_expiries.inc(leases.expire_stale_leases(session, now=now))
     session.commit()
-    state.metrics.rounds_applied.inc(rounds.apply_ready_rounds(session, state.blobs, now=now))
+    state.metrics.rounds_applied.inc(rounds.apply_ready_rounds(session, state.blobs, now=now, faults=state.faults))
     issued, reason = leases.acquire_lease(session, island_id, now=now)
     if issued is None:
         return Response(status_code=204, headers={H_IDLE: reason, "Retry-After": str(IDLE_RETRY_AFTER_S)})

@@ -88,9 +88,12 @@ async def _upload(
                 train_loss=loss,
                 body=body,
                 now=now,
+                faults=state.faults,
             )
             state.metrics.contributions.labels(result="accepted" if created else "duplicate").inc()
-            applied = created and rounds.maybe_apply_round(session, state.blobs, contribution.run_id, now=now)
+            applied = created and rounds.maybe_apply_round(
+                session, state.blobs, contribution.run_id, now=now, faults=state.faults
+            )
             state.metrics.rounds_applied.inc(int(applied))
             lease = leases.get_lease(session, lease_id)
             return ContributionPublic(

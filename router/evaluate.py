@@ -1,0 +1,300 @@
+"""Routed held-out evaluation (DiPaCo §2.5 and §10 of the architecture): perplexity of a set of paths.
+
+Each document is routed by its first `prefix_tokens` tokens to one path and scored on the remaining tokens only;
+the prefix is never scored, for any model, so a dense baseline (`evaluate_dense`: every document to path 0) is
+measured on exactly the same tokens.
+
+What is scored, exactly. A document of n tokens becomes the sequence `x = tokens + [EOS]` (length L = n + 1, the
+same framing as the training shards, where every document ends with EOS). The targets are `x[t]` for
+`prefix_tokens <= t < L`, each predicted from the tokens before it: L - prefix_tokens tokens per document.
+Documents with no target (L <= prefix_tokens) are skipped and counted in `EvalResult.skipped_documents`.
+
+Long documents (L > context + 1). The first window is `x[0 : context]` and scores the targets
+`x[prefix_tokens : context + 1]` (the prefix is their context). The remaining targets are cut into consecutive,
+non-overlapping spans of `stride` tokens (default: `context`); the span `[s, e)` is predicted from the input
+window `x[max(0, e - 1 - context) : e - 1]`, i.e. the `context` tokens before its last target. Every target is
+scored exactly once. With the default `stride == context` the input windows do not overlap either (cheapest:
+one forward per `context` tokens; the first target of a window sees one token of context). A smaller stride
+costs `context / stride` times more and gives every target at least `context - stride` previous tokens.
+(When prefix_tokens > context, the first span is `[prefix_tokens, prefix_tokens + stride)` with the `context`
+tokens before it.) The model always sees positions 0..len(window)-1; short windows are
+right-padded (causal attention: padding never affects the positions that are scored).
+
+Re-routing every W tokens (`every=W`, paper §2.5). Target position t belongs to segment k = t // W. Segment 0
+uses the document's route (its first `prefix_tokens` tokens); segment k >= 1 uses the route of the W tokens
+`x[(k-1)W : kW]`, decoded to text and given to the router like any prefix (the router featurizes at most its own
+`prefix_tokens` of them, so W == prefix_tokens routes on exactly the W previous tokens). A window that spans
+several segments is run once per path it needs, and each target is taken from its own segment's path; the
+context fed to that path is the same previous tokens, whichever path produced them.
+
+Loss is the mean negative log-likelihood in nats per scored token, accumulated in float64; perplexity is
+exp(loss). Deterministic for a given model and thread count (`torch.no_grad`, eval mode, fixed batching).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from router.tokenizer import ByteTokenizer
+
+
+class RouterLike(Protocol):
+    """What evaluation needs from a router: `router.Router` and `SinglePathRouter` both fit."""
+
+    @property
+    def num_paths(self) -> int: ...
+
+    @property
+    def prefix_tokens(self) -> int: ...
+
+    def route(self, texts: list[str]) -> np.ndarray: ...
+
+
+class TokenizerLike(Protocol):
+    EOS: int
+
+    def encode_array(self, text: str, *, eos: bool = False) -> np.ndarray: ...
+
+    def decode(self, ids: Any) -> str: ...
+
+
+PathSource = Sequence[nn.Module] | Callable[[int], nn.Module]
+"""The models of the paths: a sequence indexed by path, or a function path index -> model (called once per path
+that at least one target is routed to, so unused paths are never built)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SinglePathRouter:
+    """Sends every document to path 0: turns `evaluate_routed` into a dense-baseline evaluation."""
+
+    prefix_tokens: int = 32
+
+    @property
+    def num_paths(self) -> int:
+        return 1
+
+    def route(self, texts: list[str]) -> np.ndarray:
+        return np.zeros(len(texts), dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class PathEval:
+    path_index: int
+    num_documents: int
+    """Documents whose prefix was routed here (the routing histogram)."""
+    num_tokens: int
+    """Scored tokens this path predicted (with `every`, segments of other documents count too)."""
+    loss: float | None
+    """Mean NLL (nats/token) over those tokens; None when the path scored nothing."""
+    perplexity: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    loss: float
+    """Mean NLL in nats per scored token, over all documents."""
+    perplexity: float
+    num_tokens: int
+    num_documents: int
+    """Documents scored (at least one token after the prefix)."""
+    skipped_documents: int
+    """Documents with no token after the prefix (counted, not scored)."""
+    per_path: list[PathEval]
+    routing_histogram: list[int]
+    """Documents per path by their prefix route."""
+    prefix_tokens: int
+    context: int
+    stride: int
+    every: int | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "loss": self.loss, "perplexity": self.perplexity, "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents, "skipped_documents": self.skipped_documents,
+            "routing_histogram": list(self.routing_histogram), "prefix_tokens": self.prefix_tokens,
+            "context": self.context, "stride": self.stride, "every": self.every,
+            "per_path": [
+                {"path_index": p.path_index, "num_documents": p.num_documents, "num_tokens": p.num_tokens,
+                 "loss": p.loss, "perplexity": p.perplexity}
+                for p in self.per_path
+            ],
+            **self.extra,
+        }
+
+
+@dataclass(slots=True)
+class _Window:
+    doc: int
+    start: int
+    """First input position in the document sequence."""
+    end: int
+    """One past the last input position; targets are x[start + 1 : end + 1]."""
+    score_from: int
+    """First target position (in document coordinates) that this window scores."""
+
+
+def _windows(length: int, *, prefix: int, context: int, stride: int, doc: int) -> list[_Window]:
+    """Windows scoring targets [prefix, length) of one sequence, each target once (see module doc)."""
+    out: list[_Window] = []
+    # The first window starts at the document's first token, so the prefix is the context of the first targets.
+    e = min(length, context + 1 if prefix <= context else prefix + stride)
+    out.append(_Window(doc=doc, start=max(0, e - 1 - context), end=e - 1, score_from=prefix))
+    while e < length:
+        s, e = e, min(e + stride, length)  # targets [s, e), predicted from the `context` tokens before e - 1
+        end = e - 1
+        out.append(_Window(doc=doc, start=max(0, end - context), end=end, score_from=s))
+    return out
+
+
+def _segment_paths(
+    seqs: list[np.ndarray], doc_route: np.ndarray, *, router: RouterLike, tokenizer: TokenizerLike,
+    prefix: int, every: int | None,
+) -> list[np.ndarray]:
+    """Path of every target position of every document (entries before `prefix` are unused, set to -1)."""
+    out: list[np.ndarray] = []
+    if every is None:
+        for seq, route in zip(seqs, doc_route, strict=True):
+            paths = np.full(len(seq), int(route), dtype=np.int64)
+            paths[:prefix] = -1
+            out.append(paths)
+        return out
+    # Route every needed window of every document in one call: segment k >= 1 by the W tokens before it.
+    texts: list[str] = []
+    owners: list[tuple[int, int]] = []
+    for d, seq in enumerate(seqs):
+        first = max(1, prefix // every)
+        for k in range(first, (len(seq) - 1) // every + 1):
+            texts.append(tokenizer.decode(seq[(k - 1) * every : k * every].tolist()))
+            owners.append((d, k))
+    routes = router.route(texts) if texts else np.zeros(0, dtype=np.int64)
+    seg_route: dict[tuple[int, int], int] = {o: int(r) for o, r in zip(owners, routes, strict=True)}
+    for d, seq in enumerate(seqs):
+        seg = np.arange(len(seq)) // every
+        paths = np.array([int(doc_route[d]) if k == 0 else seg_route.get((d, int(k)), -1) for k in seg],
+                         dtype=np.int64)
+        paths[:prefix] = -1
+        out.append(paths)
+    return out
+
+
+def evaluate_routed(
+    paths: PathSource,
+    router: RouterLike,
+    documents: list[str],
+    *,
+    prefix_tokens: int = 32,
+    context: int,
+    every: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 256,
+    tokenizer: TokenizerLike | None = None,
+    device: str | torch.device = "cpu",
+) -> EvalResult:
+    """Route each document by its prefix, score the tokens after it with its path; see the module doc."""
+    if prefix_tokens < 1:
+        raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
+    if router.prefix_tokens > prefix_tokens:
+        raise ValueError(
+            f"the router reads {router.prefix_tokens} tokens but only the first {prefix_tokens} are excluded "
+            "from scoring: the route would see scored tokens"
+        )
+    if context < 1:
+        raise ValueError(f"context must be >= 1, got {context}")
+    stride = context if stride is None else stride
+    if not 1 <= stride <= context:
+        raise ValueError(f"stride must be in [1, context={context}], got {stride}")
+    if every is not None and every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    num_paths = router.num_paths
+    if isinstance(paths, Sequence) and len(paths) != num_paths:
+        raise ValueError(f"got {len(paths)} path models for a router with {num_paths} paths")
+    tok: TokenizerLike = tokenizer if tokenizer is not None else ByteTokenizer()
+
+    all_seqs = [tok.encode_array(text, eos=True).astype(np.int64) for text in documents]
+    keep = [i for i, s in enumerate(all_seqs) if len(s) > prefix_tokens]
+    seqs = [all_seqs[i] for i in keep]
+    doc_route = router.route([documents[i] for i in keep]) if keep else np.zeros(0, dtype=np.int64)
+    if doc_route.size and not (0 <= doc_route.min() and doc_route.max() < num_paths):
+        raise ValueError(f"router returned paths outside [0, {num_paths})")
+    target_paths = _segment_paths(seqs, doc_route, router=router, tokenizer=tok, prefix=prefix_tokens,
+                                  every=every)
+
+    windows = [w for d, s in enumerate(seqs)
+               for w in _windows(len(s), prefix=prefix_tokens, context=context, stride=stride, doc=d)]
+    # Dense (num_windows, context) arrays: inputs, targets, and the path of each scored target (-1: not scored).
+    n = len(windows)
+    inputs = np.zeros((n, context), dtype=np.int64)
+    targets = np.zeros((n, context), dtype=np.int64)
+    owner = np.full((n, context), -1, dtype=np.int64)
+    for i, w in enumerate(windows):
+        seq, width = seqs[w.doc], w.end - w.start
+        inputs[i, :width] = seq[w.start : w.end]
+        targets[i, :width] = seq[w.start + 1 : w.end + 1]
+        first = w.score_from - (w.start + 1)  # column of the first scored target
+        owner[i, first:width] = target_paths[w.doc][w.score_from : w.end + 1]
+
+    nll = np.zeros(num_paths, dtype=np.float64)
+    count = np.zeros(num_paths, dtype=np.int64)
+    models: dict[int, nn.Module] = {}
+    with torch.no_grad():
+        for p in range(num_paths):
+            rows = np.flatnonzero((owner == p).any(axis=1))
+            if rows.size == 0:
+                continue
+            if p not in models:
+                model = paths[p] if isinstance(paths, Sequence) else paths(p)
+                models[p] = model.to(device).eval()
+            model = models[p]
+            for b in range(0, rows.size, batch_size):
+                idx = rows[b : b + batch_size]
+                mask = torch.from_numpy(owner[idx] == p).to(device)
+                x = torch.from_numpy(inputs[idx]).to(device)
+                y = torch.from_numpy(targets[idx]).to(device)
+                logits = model(x).float()  # (B, context, vocab)
+                losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+                nll[p] += float(losses.view_as(y)[mask].double().sum())
+                count[p] += int(mask.sum())
+            models.pop(p)  # one path in memory at a time
+
+    histogram = np.bincount(doc_route, minlength=num_paths).astype(int).tolist() if keep else [0] * num_paths
+    total_tokens = int(count.sum())
+    loss = float(nll.sum() / total_tokens) if total_tokens else math.nan
+    per_path = [
+        PathEval(path_index=p, num_documents=histogram[p], num_tokens=int(count[p]),
+                 loss=float(nll[p] / count[p]) if count[p] else None,
+                 perplexity=math.exp(nll[p] / count[p]) if count[p] else None)
+        for p in range(num_paths)
+    ]
+    return EvalResult(
+        loss=loss, perplexity=math.exp(loss) if total_tokens else math.nan, num_tokens=total_tokens,
+        num_documents=len(keep), skipped_documents=len(documents) - len(keep), per_path=per_path,
+        routing_histogram=histogram, prefix_tokens=prefix_tokens, context=context, stride=stride, every=every,
+    )
+
+
+def evaluate_dense(
+    model: nn.Module,
+    documents: list[str],
+    *,
+    prefix_tokens: int = 32,
+    context: int,
+    stride: int | None = None,
+    batch_size: int = 256,
+    tokenizer: TokenizerLike | None = None,
+    device: str | torch.device = "cpu",
+) -> EvalResult:
+    """A dense baseline on exactly the tokens `evaluate_routed` scores: every document to the one model."""
+    return evaluate_routed([model], SinglePathRouter(prefix_tokens=prefix_tokens), documents,
+                           prefix_tokens=prefix_tokens, context=context, stride=stride, batch_size=batch_size,
+                           tokenizer=tokenizer, device=device)
