@@ -18,7 +18,7 @@ from coordinator import db
 from coordinator.api import routes
 from coordinator.api.deps import AppState
 from coordinator.auth import load_service_tokens
-from coordinator.blobstore import BlobError, LocalBlobStore
+from coordinator.blobstore import BlobError, open_blob_store
 from coordinator.errors import ServiceError
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
@@ -36,7 +36,7 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
     if settings.migrate_on_start:
         db.upgrade(url)
     engine = db.make_engine(url)
-    blobs = LocalBlobStore(settings.resolved_blob_dir)
+    blobs = open_blob_store(settings.resolved_blob_url, s3_endpoint_url=settings.s3_endpoint_url)
     spool = settings.data_dir.resolve() / "spool"
     spool.mkdir(parents=True, exist_ok=True)
     return AppState(

@@ -1,7 +1,11 @@
-"""Content-addressed blob store: weights, momentum, outer gradients and shards, named by sha256.
+"""Content-addressed blob stores: weights, momentum, outer gradients and shards, named by their sha256.
 
-Writes go to a temporary file in the same directory and are renamed into place, so a blob is either complete
-or absent; the database references a blob only after `put_*` returned. Reads verify the hash.
+Two backends with one interface (`BlobStore`):
+- `LocalBlobStore`: a directory. Writes go to a temporary file in the same file system, are fsynced and renamed
+  into place, so a blob is either complete or absent.
+- `S3BlobStore`: an S3-compatible bucket through boto3 (AWS S3, MinIO, Ceph, ...). A PUT is atomic: the object
+  appears complete or not at all.
+The database references a blob only after `put_*` returned. Every read verifies the content hash.
 """
 
 from __future__ import annotations
@@ -11,13 +15,35 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 CHUNK = 1 << 20
 
 
 class BlobError(Exception):
-    """A missing or corrupted blob."""
+    """A missing or corrupted blob, or an unreachable store."""
+
+
+def check_digest(digest: str) -> str:
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise BlobError(f"not a sha256 hex digest: {digest!r}")
+    return digest
+
+
+class BlobStore(Protocol):
+    def exists(self, digest: str) -> bool: ...
+
+    def put_bytes(self, data: bytes) -> str: ...
+
+    def put_stream(self, src: BinaryIO) -> tuple[str, int]:
+        """Copy a readable file into the store; returns (sha256, size)."""
+        ...
+
+    def get_bytes(self, digest: str) -> bytes: ...
+
+    def iter_verified(self, digest: str) -> Iterator[bytes]:
+        """Stream a blob; raises BlobError at the end if the content does not match its name."""
+        ...
 
 
 class LocalBlobStore:
@@ -28,8 +54,7 @@ class LocalBlobStore:
         self._tmp.mkdir(exist_ok=True)
 
     def path(self, digest: str) -> Path:
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise BlobError(f"not a sha256 hex digest: {digest!r}")
+        check_digest(digest)
         return self.root / digest[:2] / digest
 
     def exists(self, digest: str) -> bool:
@@ -38,11 +63,19 @@ class LocalBlobStore:
     def put_bytes(self, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
         if not self.exists(digest):
-            self._write(digest, iter([data]))
+            fd, tmp_name = tempfile.mkstemp(dir=self._tmp)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                self._publish(tmp_name, digest)
+            finally:
+                if os.path.exists(tmp_name):
+                    os.unlink(tmp_name)
         return digest
 
     def put_stream(self, src: BinaryIO) -> tuple[str, int]:
-        """Copy a readable file into the store; returns (sha256, size)."""
         fd, tmp_name = tempfile.mkstemp(dir=self._tmp)
         h = hashlib.sha256()
         size = 0
@@ -55,50 +88,123 @@ class LocalBlobStore:
                 out.flush()
                 os.fsync(out.fileno())
             digest = h.hexdigest()
-            target = self.path(digest)
-            target.parent.mkdir(exist_ok=True)
-            os.replace(tmp_name, target)
+            self._publish(tmp_name, digest)
             return digest, size
         finally:
             if os.path.exists(tmp_name):
                 os.unlink(tmp_name)
 
-    def _write(self, digest: str, chunks: Iterator[bytes]) -> None:
+    def _publish(self, tmp_name: str, digest: str) -> None:
         target = self.path(digest)
         target.parent.mkdir(exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(dir=self._tmp)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for chunk in chunks:
-                    out.write(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp_name, target)
-        finally:
-            if os.path.exists(tmp_name):
-                os.unlink(tmp_name)
+        os.replace(tmp_name, target)
 
     def get_bytes(self, digest: str) -> bytes:
-        path = self.path(digest)
         try:
-            data = path.read_bytes()
+            data = self.path(digest).read_bytes()
         except FileNotFoundError as exc:
             raise BlobError(f"blob {digest} is missing from {self.root}") from exc
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != digest:
-            raise BlobError(f"blob {digest} is corrupted (content hashes to {actual})")
-        return data
+        return _verified(digest, data)
 
     def iter_verified(self, digest: str) -> Iterator[bytes]:
-        """Stream a blob; raises BlobError at the end if the content does not match its name."""
-        h = hashlib.sha256()
         try:
             f = self.path(digest).open("rb")
         except FileNotFoundError as exc:
             raise BlobError(f"blob {digest} is missing from {self.root}") from exc
         with f:
-            while chunk := f.read(CHUNK):
+            yield from _verify_chunks(digest, iter(lambda: f.read(CHUNK), b""))
+
+
+class S3BlobStore:
+    """Blobs as objects `<prefix><aa>/<sha256>` in one bucket."""
+
+    def __init__(self, *, bucket: str, prefix: str = "", client: Any) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.client = client
+
+    def key(self, digest: str) -> str:
+        check_digest(digest)
+        return f"{self.prefix}{digest[:2]}/{digest}"
+
+    def exists(self, digest: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.key(digest))
+            return True
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise BlobError(f"s3://{self.bucket}/{self.key(digest)}: {exc}") from exc
+
+    def put_bytes(self, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        if not self.exists(digest):
+            self.client.put_object(Bucket=self.bucket, Key=self.key(digest), Body=data)
+        return digest
+
+    def put_stream(self, src: BinaryIO) -> tuple[str, int]:
+        # The key is the content hash, so the content is hashed into a local spool file first.
+        with tempfile.TemporaryFile() as spool:
+            h = hashlib.sha256()
+            size = 0
+            while chunk := src.read(CHUNK):
                 h.update(chunk)
-                yield chunk
-        if h.hexdigest() != digest:
-            raise BlobError(f"blob {digest} is corrupted (content hashes to {h.hexdigest()})")
+                spool.write(chunk)
+                size += len(chunk)
+            digest = h.hexdigest()
+            if not self.exists(digest):
+                spool.seek(0)
+                self.client.upload_fileobj(spool, self.bucket, self.key(digest))
+        return digest, size
+
+    def _body(self, digest: str) -> Any:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self.key(digest))["Body"]
+        except ClientError as exc:
+            raise BlobError(f"blob {digest} is missing from s3://{self.bucket}/{self.prefix}: {exc}") from exc
+
+    def get_bytes(self, digest: str) -> bytes:
+        return _verified(digest, self._body(digest).read())
+
+    def iter_verified(self, digest: str) -> Iterator[bytes]:
+        body = self._body(digest)
+        yield from _verify_chunks(digest, body.iter_chunks(CHUNK))
+
+
+def _verified(digest: str, data: bytes) -> bytes:
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != digest:
+        raise BlobError(f"blob {digest} is corrupted (content hashes to {actual})")
+    return data
+
+
+def _verify_chunks(digest: str, chunks: Iterator[bytes]) -> Iterator[bytes]:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+        yield chunk
+    if h.hexdigest() != digest:
+        raise BlobError(f"blob {digest} is corrupted (content hashes to {h.hexdigest()})")
+
+
+def open_blob_store(url: str, *, s3_endpoint_url: str | None = None) -> BlobStore:
+    """`s3://bucket/prefix` or a local directory (`file:///path` or a plain path)."""
+    if url.startswith("s3://"):
+        try:
+            import boto3
+        except ImportError as exc:
+            raise BlobError("an s3:// blob store needs boto3: pip install 'dipaco[s3]'") from exc
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        if not bucket:
+            raise BlobError(f"blob store {url!r}: no bucket name")
+        client = boto3.client("s3", endpoint_url=s3_endpoint_url)
+        return S3BlobStore(bucket=bucket, prefix=prefix, client=client)
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    elif "://" in url:
+        raise BlobError(f"blob store {url!r}: use a directory, file:///path or s3://bucket/prefix")
+    return LocalBlobStore(Path(url).resolve())

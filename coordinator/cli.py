@@ -17,7 +17,9 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     data_dir: Annotated[Path | None, typer.Option(help="SQLite file, blobs, tokens.json [env DIPACO_DATA_DIR]")] = None,
     database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL [env DIPACO_DATABASE_URL]")] = None,
-    blob_url: Annotated[str | None, typer.Option(help="Blob directory [env DIPACO_BLOB_URL]")] = None,
+    blob_url: Annotated[
+        str | None, typer.Option(help="Blob directory or s3://bucket/prefix [env DIPACO_BLOB_URL]")
+    ] = None,
     migrate: Annotated[bool, typer.Option(help="Run database migrations on start")] = True,
     log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
 ) -> None:
@@ -41,5 +43,5 @@ def serve(
     if tokens.generated_file is not None:
         typer.echo(f"admin and join tokens: {tokens.generated_file}")
     typer.echo(f"database: {settings.resolved_database_url}")
-    typer.echo(f"blobs:    {settings.resolved_blob_dir}")
+    typer.echo(f"blobs:    {settings.resolved_blob_url}")
     uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)

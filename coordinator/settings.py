@@ -18,7 +18,12 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(default=Path(".dipaco"), description="Holds the SQLite file, blobs and tokens.json")
     database_url: str | None = Field(default=None, description="Default: sqlite:///<data_dir>/dipaco.db")
-    blob_url: str | None = Field(default=None, description="Default: <data_dir>/blobs (a local directory)")
+    blob_url: str | None = Field(
+        default=None, description="A directory, file:///path or s3://bucket/prefix; default <data_dir>/blobs"
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (MinIO, Ceph, ...); credentials from the usual AWS_* env"
+    )
     admin_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
     join_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
     migrate_on_start: bool = Field(default=True, description="Run `alembic upgrade head` on start-up")
@@ -43,12 +48,5 @@ class Settings(BaseSettings):
         return self.database_url or f"sqlite:///{(self.data_dir / 'dipaco.db').resolve()}"
 
     @property
-    def resolved_blob_dir(self) -> Path:
-        if self.blob_url is None:
-            return (self.data_dir / "blobs").resolve()
-        url = self.blob_url
-        if url.startswith("file://"):
-            url = url[len("file://") :]
-        elif "://" in url:
-            raise ValueError(f"blob store {self.blob_url!r}: only local directories (file://) are supported")
-        return Path(url).resolve()
+    def resolved_blob_url(self) -> str:
+        return self.blob_url or str((self.data_dir / "blobs").resolve())

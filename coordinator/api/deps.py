@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.auth import Principal, ServiceTokens, authenticate
-from coordinator.blobstore import LocalBlobStore
+from coordinator.blobstore import BlobStore
 from coordinator.errors import PayloadTooLarge
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
@@ -27,7 +27,7 @@ class AppState:
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
-    blobs: LocalBlobStore
+    blobs: BlobStore
     tokens: ServiceTokens
     clock: Callable[[], datetime]
     spool_dir: Path

@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from coordinator.blobstore import LocalBlobStore
+from coordinator.blobstore import BlobStore
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
 from coordinator.timeutil import as_utc
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def maybe_apply_round(
-    session: Session, blobs: LocalBlobStore, run_id: int, *, now: datetime, faults: FaultInjector = NO_FAULTS
+    session: Session, blobs: BlobStore, run_id: int, *, now: datetime, faults: FaultInjector = NO_FAULTS
 ) -> bool:
     """Apply the run's current round if every path contributed; True if this call applied it."""
     run = session.scalar(select(Run).where(Run.id == run_id).with_for_update())
@@ -121,9 +121,7 @@ def open_round(session: Session, run: Run, number: int, *, now: datetime) -> Rou
     return rnd
 
 
-def apply_ready_rounds(
-    session: Session, blobs: LocalBlobStore, *, now: datetime, faults: FaultInjector = NO_FAULTS
-) -> int:
+def apply_ready_rounds(session: Session, blobs: BlobStore, *, now: datetime, faults: FaultInjector = NO_FAULTS) -> int:
     """Recovery sweep (start-up, lease requests): apply any round that is complete but not yet applied."""
     applied = 0
     run_ids = session.scalars(select(Run.id).where(Run.status == "running")).all()

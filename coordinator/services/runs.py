@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from coordinator.blobstore import LocalBlobStore
+from coordinator.blobstore import BlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.models import Level, Module, ModuleVersion, Path, PathModule, Run
 from coordinator.schemas import RunCreate
@@ -44,7 +44,7 @@ def tokens_per_lease(run: Run) -> int:
     return run.inner_steps * cfg["inner"]["batch_size"] * cfg["model"]["seq_len"] + 1
 
 
-def create_run(session: Session, blobs: LocalBlobStore, spec: RunCreate) -> Run:
+def create_run(session: Session, blobs: BlobStore, spec: RunCreate) -> Run:
     cfg = model_config(spec)
     try:
         layout = parse_layout(spec.layout, n_layers=cfg.n_layers)

@@ -9,7 +9,7 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from coordinator.blobstore import LocalBlobStore
+from coordinator.blobstore import BlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.models import Shard
 from coordinator.services.rounds import open_round
@@ -18,7 +18,7 @@ from coordinator.services.runs import get_run, tokens_per_lease
 
 def register_shard(
     session: Session,
-    blobs: LocalBlobStore,
+    blobs: BlobStore,
     *,
     run_id: int,
     path_index: int,

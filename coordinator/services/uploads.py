@@ -16,7 +16,7 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
-from coordinator.blobstore import LocalBlobStore
+from coordinator.blobstore import BlobStore
 from coordinator.errors import Conflict, Forbidden, Invalid
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Lease, Module, Path, Run
@@ -29,7 +29,7 @@ from modules.codec import read_header
 
 def submit_outer_gradients(
     session: Session,
-    blobs: LocalBlobStore,
+    blobs: BlobStore,
     *,
     lease_id: int,
     island_id: int,

@@ -39,7 +39,7 @@ def snapshot(settings: Settings) -> tuple[Any, ...]:
     finally:
         engine.dispose()
     blobs = sorted(
-        p.name for p in Path(settings.resolved_blob_dir).rglob("*") if p.is_file() and p.parent.name != "tmp"
+        p.name for p in Path(settings.resolved_blob_url).rglob("*") if p.is_file() and p.parent.name != "tmp"
     )
     return counts, leases, paths, tuple(blobs)
 
