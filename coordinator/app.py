@@ -109,3 +109,8 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
     for module in (routes.health, routes.runs, routes.registry, routes.islands, routes.leases):
         app.include_router(module.router)
     return app
+
+
+def create_app_from_env() -> FastAPI:
+    """Factory for `uvicorn --factory` with several workers: settings come from the DIPACO_* environment."""
+    return create_app(Settings())

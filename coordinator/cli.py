@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +22,9 @@ def serve(
         str | None, typer.Option(help="Blob directory or s3://bucket/prefix [env DIPACO_BLOB_URL]")
     ] = None,
     migrate: Annotated[bool, typer.Option(help="Run database migrations on start")] = True,
+    workers: Annotated[
+        int, typer.Option(min=1, help="Worker processes (the service is stateless apart from DB/blobs)")
+    ] = 1,
     log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
 ) -> None:
     """Serve the coordinator (SQLite + local blob directory by default)."""
@@ -44,4 +48,23 @@ def serve(
         typer.echo(f"admin and join tokens: {tokens.generated_file}")
     typer.echo(f"database: {settings.resolved_database_url}")
     typer.echo(f"blobs:    {settings.resolved_blob_url}")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    if workers == 1:
+        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+        return
+    # Several processes: migrate once here, then every worker builds its app from the same environment.
+    from coordinator.db import upgrade
+
+    if migrate:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        upgrade(settings.resolved_database_url)
+    os.environ.update(
+        {
+            "DIPACO_DATA_DIR": str(settings.data_dir.resolve()),
+            "DIPACO_DATABASE_URL": settings.resolved_database_url,
+            "DIPACO_BLOB_URL": settings.resolved_blob_url,
+            "DIPACO_MIGRATE_ON_START": "false",
+        }
+    )
+    uvicorn.run(
+        "coordinator.app:create_app_from_env", factory=True, host=host, port=port, log_level=log_level, workers=workers
+    )

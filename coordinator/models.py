@@ -182,12 +182,14 @@ class Contribution(Base):
 
 
 class ContributionGrad(Base):
-    """One module's outer gradient inside a contribution (a safetensors blob)."""
+    """One module's outer gradient inside a contribution: the tensors named `<prefix><param>` of the upload's
+    safetensors blob (the upload is stored once, as received)."""
 
     __tablename__ = "contribution_grads"
     contribution_id: Mapped[int] = mapped_column(ForeignKey("contributions.id", ondelete="CASCADE"), primary_key=True)
     module_id: Mapped[int] = mapped_column(ForeignKey("modules.id", ondelete="CASCADE"), primary_key=True)
     blob_hash: Mapped[str] = mapped_column(String(64))
+    prefix: Mapped[str] = mapped_column(String(80))
 
 
 class Round(Base):

@@ -20,7 +20,8 @@ Tensors = dict[str, torch.Tensor]
 def level_param_shapes(cfg: ModelConfig, layout: Layout, level_index: int) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of any module on one level."""
     level = layout.levels[level_index]
-    shapes = {name: tuple(t.shape) for name, t in PathModel(cfg).state_dict().items()}
+    with torch.device("meta"):  # shapes only: no memory, no random init
+        shapes = {name: tuple(t.shape) for name, t in PathModel(cfg).state_dict().items()}
     return {name: shape for name, shape in shapes.items() if level.owns(name)}
 
 

@@ -88,13 +88,14 @@ class PathModel(nn.Module):
 def init_state(cfg: ModelConfig, *, seed: int) -> dict[str, torch.Tensor]:
     """Deterministic initial weights (GPT-2 style: N(0, 0.02) matrices, zero biases, unit norms)."""
     gen = torch.Generator().manual_seed(seed)
-    model = PathModel(cfg)
+    with torch.device("meta"):  # names and shapes only; the values are drawn below
+        model = PathModel(cfg)
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name.endswith(".bias"):
-            state[name] = torch.zeros_like(tensor)
+            state[name] = torch.zeros(tensor.shape)
         elif ".ln" in name or name.startswith("ln_f."):
-            state[name] = torch.ones_like(tensor)
+            state[name] = torch.ones(tensor.shape)
         else:
             state[name] = torch.randn(tensor.shape, generator=gen) * 0.02
     return state

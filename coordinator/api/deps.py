@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -65,21 +66,32 @@ def get_principal(state: StateDep, authorization: Annotated[str | None, Header()
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Path:
+@dataclass(frozen=True, slots=True)
+class Spooled:
+    """A request body on local disk, with its sha256 computed while it streamed in."""
+
+    path: Path
+    sha256: str
+    size: int
+
+
+async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Spooled:
     """Stream the request body to a temporary file, refusing more than `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"body of {int(declared)} bytes is over the {limit}-byte limit")
-    fd, name = tempfile.mkstemp(dir=spool_dir, suffix=".upload")  # noqa: SIM115 (closed below)
+    fd, name = tempfile.mkstemp(dir=spool_dir, suffix=".upload")
     size = 0
+    digest = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
                     raise PayloadTooLarge(f"body is over the {limit}-byte limit")
+                digest.update(chunk)
                 out.write(chunk)
     except BaseException:
         os.unlink(name)
         raise
-    return Path(name)
+    return Spooled(path=Path(name), sha256=digest.hexdigest(), size=size)

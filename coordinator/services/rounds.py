@@ -63,22 +63,23 @@ def maybe_apply_round(
         session.rollback()
         return False
 
-    grads: dict[int, list[str]] = defaultdict(list)
-    for module_id, blob_hash in session.execute(
-        select(ContributionGrad.module_id, ContributionGrad.blob_hash)
+    grads: dict[int, list[tuple[str, str]]] = defaultdict(list)
+    for module_id, blob_hash, prefix in session.execute(
+        select(ContributionGrad.module_id, ContributionGrad.blob_hash, ContributionGrad.prefix)
         .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
         .where(Contribution.run_id == run.id, Contribution.round == number, Contribution.status == "accepted")
         .order_by(Contribution.path_id)
     ):
-        grads[module_id].append(blob_hash)
+        grads[module_id].append((blob_hash, prefix))
     outer = OuterConfig(**run.config["outer"])
+    verified: set[str] = set()
     for module in session.scalars(select(Module).where(Module.run_id == run.id).order_by(Module.id)):
         hashes = grads.get(module.id)
         if not hashes:
             continue  # no path through this module contributed: weights and momentum stay as they are
         acc = None
-        for digest in hashes:
-            acc = accumulate(acc, decode(blobs.get_bytes(digest)), 1.0)
+        for digest, prefix in hashes:
+            acc = accumulate(acc, blobs.load_tensors(digest, prefix, verified=verified), 1.0)
         assert acc is not None
         mean = {name: t / len(hashes) for name, t in acc.items()}
         params = decode(blobs.get_bytes(module.weights_hash))

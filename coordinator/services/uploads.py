@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path as FilePath
 
 import torch
+from safetensors import SafetensorError, safe_open
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
@@ -23,7 +24,7 @@ from coordinator.models import Contribution, ContributionGrad, Lease, Module, Pa
 from coordinator.schemas import GRAD_KEY_SEP
 from coordinator.services.leases import get_lease
 from coordinator.services.runs import run_layout, run_model_config
-from modules import CodecError, decode, encode, level_param_shapes
+from modules import CodecError, level_param_shapes
 from modules.codec import read_header
 
 
@@ -37,10 +38,15 @@ def submit_outer_gradients(
     tokens: int,
     train_loss: float,
     body: FilePath,
+    body_sha256: str,
     now: datetime,
     faults: FaultInjector = NO_FAULTS,
 ) -> tuple[Contribution, bool]:
-    """Returns (contribution, created); created is False for an idempotent retry."""
+    """Returns (contribution, created); created is False for an idempotent retry.
+
+    `body` is the spooled upload and `body_sha256` its hash; an accepted body is moved into the blob store as is
+    (one blob per upload, no re-encoding); each module's part is found by its tensor-name prefix.
+    """
     lease = get_lease(session, lease_id)
     if lease.island_id != island_id:
         raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
@@ -83,7 +89,7 @@ def submit_outer_gradients(
         if base != m.version:
             raise Conflict(f"lease {lease_id} trained module {m.id} version {base}, the module is at {m.version}")
 
-    grads = _validated_payload(body.read_bytes(), run, modules)
+    prefixes = _validated_payload(body, run, modules)
 
     contribution = Contribution(
         lease_id=lease.id,
@@ -97,10 +103,12 @@ def submit_outer_gradients(
     )
     session.add(contribution)
     session.flush()
-    for level_index, tensors in grads.items():
-        digest = blobs.put_bytes(encode(tensors))
+    blobs.put_file(body, body_sha256)
+    for level_index, prefix in prefixes.items():
         session.add(
-            ContributionGrad(contribution_id=contribution.id, module_id=modules[level_index].id, blob_hash=digest)
+            ContributionGrad(
+                contribution_id=contribution.id, module_id=modules[level_index].id, blob_hash=body_sha256, prefix=prefix
+            )
         )
     lease.status = "submitted"
     path.token_offset = lease.token_end - 1  # the last target token is the next range's first input
@@ -113,15 +121,26 @@ def submit_outer_gradients(
     return contribution, True
 
 
-def _validated_payload(data: bytes, run: Run, modules: dict[int, Module]) -> dict[int, dict[str, torch.Tensor]]:
-    """Check the safetensors payload against the path's modules; returns level index -> tensors."""
+def _validated_payload(body: FilePath, run: Run, modules: dict[int, Module]) -> dict[int, str]:
+    """Check the safetensors file against the path's modules; returns level index -> tensor-name prefix.
+
+    The header is checked first (names, dtypes, shapes, offsets within the file), then each tensor is read on
+    its own from the memory-mapped file to check that it is finite: memory stays O(largest tensor).
+    """
     cfg, layout = run_model_config(run), run_layout(run)
     expected: dict[str, tuple[int, tuple[int, ...]]] = {}
+    prefixes: dict[int, str] = {}
     for level_index, module in modules.items():
+        prefixes[level_index] = f"{module.level.name}{GRAD_KEY_SEP}"
         for param, shape in level_param_shapes(cfg, layout, level_index).items():
-            expected[f"{module.level.name}{GRAD_KEY_SEP}{param}"] = (level_index, shape)
+            expected[f"{prefixes[level_index]}{param}"] = (level_index, shape)
+    size = body.stat().st_size
+    with body.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        head += f.read(min(n, size - 8)) if len(head) == 8 else b""
     try:
-        header = read_header(data)
+        header = read_header(head)
     except CodecError as exc:
         raise Invalid(f"outer-gradient payload: {exc}") from exc
     unknown = sorted(set(header) - set(expected))
@@ -132,21 +151,30 @@ def _validated_payload(data: bytes, run: Run, modules: dict[int, Module]) -> dic
     missing = sorted(set(expected) - set(header))
     if missing:
         raise Invalid(f"outer-gradient payload is missing {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    data_end = 0
     for name, info in header.items():
         dtype, shape = info.get("dtype"), tuple(info.get("shape", ()))  # type: ignore[call-overload]
         if dtype != "F32":
             raise Invalid(f"tensor {name!r} has dtype {dtype}, expected F32")
         if shape != expected[name][1]:
             raise Invalid(f"tensor {name!r} has shape {list(shape)}, expected {list(expected[name][1])}")
+        offsets = info.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] - offsets[0] == 4 * math.prod(shape)):
+            raise Invalid(f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        data_end = max(data_end, int(offsets[1]))
+    if 8 + n + data_end != size:
+        raise Invalid(
+            f"outer-gradient payload: invalid safetensors payload: {size} bytes, "
+            f"the header describes {8 + n + data_end}"
+        )
     try:
-        tensors = decode(data)
-    except CodecError as exc:
-        raise Invalid(f"outer-gradient payload: {exc}") from exc
-    out: dict[int, dict[str, torch.Tensor]] = {li: {} for li in modules}
-    for name, tensor in tensors.items():
-        bad = int((~torch.isfinite(tensor)).sum())
-        if bad:
-            raise Invalid(f"tensor {name!r} has {bad} non-finite value(s) (NaN/Inf)")
-        level_index, _ = expected[name]
-        out[level_index][name.split(GRAD_KEY_SEP, 1)[1]] = tensor
-    return out
+        with safe_open(str(body), framework="pt") as f:  # type: ignore[no-untyped-call]
+            for name in header:
+                tensor = f.get_tensor(name)
+                # A NaN/Inf anywhere makes the sum non-finite; only then count exactly (overflowing finite sums too).
+                bad = 0 if torch.isfinite(tensor.sum()) else int((~torch.isfinite(tensor)).sum())
+                if bad:
+                    raise Invalid(f"tensor {name!r} has {bad} non-finite value(s) (NaN/Inf)")
+    except SafetensorError as exc:
+        raise Invalid(f"outer-gradient payload: invalid safetensors payload: {exc}") from exc
+    return prefixes

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30 07:55:37.946111
+Create Date: 2026-11-30 08:25:26.084292
 """
 
 from collections.abc import Sequence
@@ -232,6 +232,7 @@ def upgrade() -> None:
         sa.Column("contribution_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("module_id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), nullable=False),
         sa.Column("blob_hash", sa.String(length=64), nullable=False),
+        sa.Column("prefix", sa.String(length=80), nullable=False),
         sa.ForeignKeyConstraint(
             ["contribution_id"],
             ["contributions.id"],

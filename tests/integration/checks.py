@@ -34,13 +34,16 @@ def verify_run(database_url: str, blob_dir: Path, run_id: int) -> None:
                 assert [h.round for h in history] == [None, *range(run.num_rounds)]
                 assert history[-1].weights_hash == module.weights_hash and module.version == run.num_rounds
                 for rnd in range(run.num_rounds):
-                    grad_hashes = session.scalars(
-                        select(ContributionGrad.blob_hash)
+                    grad_hashes = session.execute(
+                        select(ContributionGrad.blob_hash, ContributionGrad.prefix)
                         .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
                         .where(ContributionGrad.module_id == module.id, Contribution.round == rnd)
                     ).all()
                     assert grad_hashes, (module.id, rnd)
-                    grads = [decode(blobs.get_bytes(h)) for h in grad_hashes]
+                    grads = [
+                        {k[len(prefix) :]: v for k, v in decode(blobs.get_bytes(h)).items() if k.startswith(prefix)}
+                        for h, prefix in grad_hashes
+                    ]
                     mean = {k: torch.stack([g[k] for g in grads]).mean(0) for k in grads[0]}
                     base = decode(blobs.get_bytes(history[rnd].weights_hash))
                     momentum = (

@@ -73,7 +73,7 @@ async def _upload(
     assert tokens is not None
     loss = _parse_float("X-Dipaco-Train-Loss", loss_text)
     body = await spool_body(request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir)
-    state.metrics.bytes_in.inc(body.stat().st_size)
+    state.metrics.bytes_in.inc(body.size)
 
     def _submit() -> ContributionPublic:
         now = state.clock()
@@ -86,7 +86,8 @@ async def _upload(
                 round_header=round_header,
                 tokens=tokens,
                 train_loss=loss,
-                body=body,
+                body=body.path,
+                body_sha256=body.sha256,
                 now=now,
                 faults=state.faults,
             )
@@ -111,7 +112,7 @@ async def _upload(
     try:
         return await run_in_threadpool(_submit)
     finally:
-        body.unlink(missing_ok=True)
+        body.path.unlink(missing_ok=True)  # accepted uploads were moved into the blob store already
 
 
 @router.post("/leases/{lease_id}/release", response_model=LeaseStatus)

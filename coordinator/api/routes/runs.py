@@ -74,8 +74,9 @@ async def register_shard(
     """Body: the path's shard as raw little-endian uint16 token ids (streamed)."""
     principal = await run_in_threadpool(authenticate_with, state, request.headers.get("authorization"))
     require(principal, "admin")
-    body = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir)
-    state.metrics.bytes_in.inc(body.stat().st_size)
+    spooled = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir)
+    body = spooled.path
+    state.metrics.bytes_in.inc(spooled.size)
 
     def _register() -> ShardPublic:
         with state.sessions() as session:

@@ -1,0 +1,463 @@
+"""Coordinator benchmarks (issue 4). Each prints ratios against a baseline measured in the same run.
+
+  python bench/bench_coordinator.py upload    [--mb 100]       upload+accept vs a raw loopback socket transfer
+  python bench/bench_coordinator.py aggregate [--mb 100]       peak RSS of a round apply for K = 4, 16, 64
+  python bench/bench_coordinator.py islands   [--islands 256]  simulated islands on PostgreSQL: p50/p99 latency
+
+Targets: upload >= 0.5x raw socket; aggregate peak RSS flat in K and <= 3x module + 300 MB; islands p99 < 100 ms
+with zero lost contributions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from coordinator.schemas import GRAD_KEY_SEP  # noqa: E402
+from modules import encode, level_param_shapes, parse_layout  # noqa: E402
+from modules.config import ModelConfig  # noqa: E402
+
+ADMIN = "bench-admin-token-000000"
+JOIN = "bench-join-token-0000000"
+PG = os.environ.get("DIPACO_TEST_PG_SERVER", "postgresql+psycopg://postgres@127.0.0.1:5432")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_coordinator(data_dir: Path, database_url: str, *, workers: int = 1) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "DIPACO_ADMIN_TOKEN": ADMIN,
+        "DIPACO_JOIN_TOKEN": JOIN,
+        "DIPACO_MAX_UPLOAD_BYTES": str(4 << 30),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dipaco",
+            "coordinator",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--database-url",
+            database_url,
+            "--log-level",
+            "warning",
+            "--workers",
+            str(workers),
+        ],
+        env=env,
+        stdout=(data_dir.parent / f"coordinator-{port}.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("coordinator did not start")
+
+
+def pg_database() -> str:
+    import psycopg
+
+    name = f"dipaco_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG.replace("postgresql+psycopg", "postgresql") + "/postgres", autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+    return f"{PG}/{name}"
+
+
+def drop_pg(url: str) -> None:
+    import psycopg
+
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG.replace("postgresql+psycopg", "postgresql") + "/postgres", autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+
+
+def big_model(mb: float) -> dict[str, Any]:
+    """A model spec whose two-block level holds about `mb` MB of fp32 parameters."""
+    # a block has ~12 d^2 parameters (qkv 3d^2, proj d^2, MLP 8d^2): two blocks ~ 24 d^2 * 4 bytes
+    d = int((mb * 1e6 / 4 / 24) ** 0.5) // 64 * 64
+    return {"flavour": "debug", "d_model": d, "n_heads": 8, "seq_len": 16, "n_layers": 2}
+
+
+def create_run(client: httpx.Client, spec: dict[str, Any], num_tokens: int = 4000) -> dict[str, Any]:
+    r = client.post("/v1/runs", json=spec)
+    r.raise_for_status()
+    run = r.json()
+    body = np.random.default_rng(0).integers(0, 256, num_tokens).astype("<u2").tobytes()
+    for p in range(run["num_paths"]):
+        client.post(f"/v1/runs/{run['id']}/shards/{p}", params={"num_documents": 1}, content=body).raise_for_status()
+    return dict(run)
+
+
+def grads_for(lease: dict[str, Any], *, scale: float = 1e-3) -> bytes:
+    """A valid outer-gradient payload for a lease: small random values for every tensor of the path."""
+    cfg = ModelConfig.from_dict(lease["model"])
+    lay = parse_layout(LAYOUT_OF[lease["run_id"]], n_layers=cfg.n_layers)
+    out: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(lease["lease_id"])
+    for m in lease["modules"]:
+        for name, shape in level_param_shapes(cfg, lay, m["level"]).items():
+            out[f"{m['level_name']}{GRAD_KEY_SEP}{name}"] = torch.randn(shape, generator=gen) * scale
+    return encode(out)
+
+
+LAYOUT_OF: dict[int, str] = {}
+
+
+# ---------------------------------------------------------------------------------------------- upload
+
+
+def raw_socket_mb_s(payload: bytes) -> float:
+    """Send the bytes over a loopback TCP socket to a reader that acknowledges; MB/s."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+
+    def reader() -> None:
+        conn, _ = server.accept()
+        with conn:
+            left = len(payload)
+            while left:
+                chunk = conn.recv(1 << 20)
+                if not chunk:
+                    break
+                left -= len(chunk)
+            conn.sendall(b"ok")
+
+    t = threading.Thread(target=reader)
+    t.start()
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(payload)
+        s.recv(2)
+    elapsed = time.perf_counter() - start
+    t.join()
+    server.close()
+    return len(payload) / 1e6 / elapsed
+
+
+def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="dipaco-bench-"))
+    proc, url = start_coordinator(tmp / "coordinator", f"sqlite:///{tmp / 'r.db'}")
+    try:
+        admin = httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {ADMIN}"})
+        layout = "embed:shared, b0-1:routed4, head:shared"  # 4 paths: 3 uploads never close the round
+        spec = {
+            "name": "upload",
+            "model": big_model(mb),
+            "layout": layout,
+            "inner_steps": 1,
+            "inner": {"batch_size": 1},
+            "num_rounds": 1000,
+        }
+        run = create_run(admin, spec)
+        LAYOUT_OF[run["id"]] = layout
+        join = httpx.post(f"{url}/v1/islands", json={"name": "bench"}, headers={"Authorization": f"Bearer {JOIN}"})
+        island = join.json()
+        h = {"Authorization": f"Bearer {island['token']}"}
+        rows = []
+        for _ in range(repeats):
+            lease = admin.post(f"/v1/islands/{island['island_id']}/lease", headers=h).json()
+            payload = grads_for(lease)
+            raw = raw_socket_mb_s(payload)
+            start = time.perf_counter()
+            r = admin.post(
+                f"/v1/leases/{lease['lease_id']}/outer-gradients",
+                content=payload,
+                headers={
+                    **h,
+                    "X-Dipaco-Round": str(lease["round"]),
+                    "X-Dipaco-Tokens": "1",
+                    "X-Dipaco-Train-Loss": "1.0",
+                    "Content-Type": "application/octet-stream",
+                },
+            )
+            elapsed = time.perf_counter() - start
+            r.raise_for_status()
+            up = len(payload) / 1e6 / elapsed
+            admin.post(f"/v1/leases/{lease['lease_id']}/release", headers=h)
+            rows.append({"payload_mb": len(payload) / 1e6, "upload_mb_s": up, "raw_mb_s": raw, "ratio": up / raw})
+            # the next lease takes the other path: release does not apply, so the round stays open
+        ratio = statistics.median(r["ratio"] for r in rows)
+        return {"bench": "upload", "rows": rows, "median_ratio": ratio, "target": 0.5, "ok": ratio >= 0.5}
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+# ------------------------------------------------------------------------------------------- aggregate
+
+AGG_CHILD = r"""
+import json, resource, sys
+from datetime import UTC, datetime
+from coordinator.blobstore import LocalBlobStore
+from coordinator.db import make_engine, make_sessionmaker
+from coordinator.services.rounds import maybe_apply_round
+url, blob_dir, run_id = sys.argv[1], sys.argv[2], int(sys.argv[3])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+engine = make_engine(url)
+with make_sessionmaker(engine)() as s:
+    ok = maybe_apply_round(s, LocalBlobStore(__import__("pathlib").Path(blob_dir)), run_id, now=datetime.now(UTC))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"applied": ok, "rss_before_mb": before / 1024, "peak_rss_mb": peak / 1024}))
+"""
+
+
+def bench_aggregate(mb: float, ks: list[int]) -> dict[str, Any]:
+    from datetime import UTC, datetime
+
+    from sqlalchemy import select
+
+    from coordinator.app import build_state
+    from coordinator.models import Contribution, ContributionGrad, Island, Lease, Module
+    from coordinator.models import Path as PathRow
+    from coordinator.schemas import RunCreate
+    from coordinator.services.rounds import open_round
+    from coordinator.services.runs import create_run as svc_create_run
+    from coordinator.settings import Settings
+
+    rows = []
+    for k in ks:
+        tmp = Path(tempfile.mkdtemp(prefix=f"dipaco-agg{k}-"))
+        settings = Settings(data_dir=tmp, admin_token=ADMIN, join_token=JOIN)  # type: ignore[arg-type]
+        state = build_state(settings)
+        layout = f"embed:shared, b0-1:shared, head:routed{k}"  # the 2-block module is shared by all K paths
+        spec = RunCreate(name=f"agg{k}", model=big_model(mb), layout=layout, inner_steps=1, num_rounds=2)
+        now = datetime.now(UTC)
+        with state.sessions() as s:
+            run = svc_create_run(s, state.blobs, spec)
+            run.status = "running"
+            open_round(s, run, 0, now=now)
+            s.commit()
+            modules = s.scalars(select(Module).where(Module.run_id == run.id).order_by(Module.id)).all()
+            shared = next(m for m in modules if m.level_index == 1)
+            cfg = ModelConfig.from_dict(run.config["model"])
+            lay = parse_layout(run.layout, n_layers=cfg.n_layers)
+            module_mb = shared.num_params * 4 / 1e6
+            gen = torch.Generator().manual_seed(0)
+            grad_hash = {}
+            for li in (0, 2):
+                shapes = level_param_shapes(cfg, lay, li)
+                grad_hash[li] = state.blobs.put_bytes(
+                    encode({n: torch.randn(sh, generator=gen) * 1e-3 for n, sh in shapes.items()})
+                )
+            shapes = level_param_shapes(cfg, lay, 1)
+            paths = s.scalars(select(PathRow).where(PathRow.run_id == run.id).order_by(PathRow.index)).all()
+            isl = Island(name="x", site="x", capabilities={}, token_hash=uuid.uuid4().hex, status="active")
+            s.add(isl)
+            s.flush()
+            island_id = isl.id
+            for p in paths:
+                # a distinct 100 MB outer gradient per path for the shared module
+                g = {n: torch.randn(sh, generator=gen) * 1e-3 for n, sh in shapes.items()}
+                digest = state.blobs.put_bytes(encode(g))
+                del g
+                lease = Lease(
+                    run_id=run.id,
+                    island_id=island_id,
+                    path_id=p.id,
+                    round=0,
+                    status="submitted",
+                    base_versions={},
+                    token_start=0,
+                    token_end=1,
+                    epoch=0,
+                    expires_at=now,
+                )
+                s.add(lease)
+                s.flush()
+                c = Contribution(
+                    lease_id=lease.id, run_id=run.id, round=0, path_id=p.id, tokens=1, train_loss=1.0, status="accepted"
+                )
+                s.add(c)
+                s.flush()
+                head = next(m for m in modules if m.level_index == 2 and m.index == p.index)
+                s.add(ContributionGrad(contribution_id=c.id, module_id=shared.id, blob_hash=digest, prefix=""))
+                s.add(
+                    ContributionGrad(contribution_id=c.id, module_id=modules[0].id, blob_hash=grad_hash[0], prefix="")
+                )
+                s.add(ContributionGrad(contribution_id=c.id, module_id=head.id, blob_hash=grad_hash[2], prefix=""))
+            s.commit()
+            run_id = run.id
+        state.engine.dispose()
+        out = subprocess.run(
+            [sys.executable, "-c", AGG_CHILD, settings.resolved_database_url, settings.resolved_blob_url, str(run_id)],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result.update({"k": k, "module_mb": module_mb, "limit_mb": 3 * module_mb + 300 + result["rss_before_mb"]})
+        rows.append(result)
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    peaks = [r["peak_rss_mb"] for r in rows]
+    flat = max(peaks) <= 1.25 * min(peaks)
+    within = all(r["peak_rss_mb"] <= r["limit_mb"] for r in rows)
+    return {"bench": "aggregate", "rows": rows, "flat_in_k": flat, "within_limit": within, "ok": flat and within}
+
+
+# --------------------------------------------------------------------------------------------- islands
+
+
+async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
+    url_db = pg_database()
+    tmp = Path(tempfile.mkdtemp(prefix="dipaco-islands-"))
+    proc, url = start_coordinator(tmp / "coordinator", url_db, workers=workers)
+    latencies: dict[str, list[float]] = {"lease": [], "heartbeat": [], "upload": []}
+    accepted = 0
+    errors: list[str] = []
+    try:
+        layout = "embed:shared, b0-0:routed16, b1-1:routed16, head:shared"  # 256 paths
+        spec = {
+            "name": "islands",
+            "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
+            "layout": layout,
+            "inner_steps": 1,
+            "inner": {"batch_size": 1},
+            "num_rounds": 100,
+            "lease_ttl_s": 60,
+        }
+        with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+            run = create_run(admin, spec, num_tokens=200)
+        LAYOUT_OF[run["id"]] = layout
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+            joined = await asyncio.gather(
+                *[
+                    client.post("/v1/islands", json={"name": f"sim-{i}"}, headers={"Authorization": f"Bearer {JOIN}"})
+                    for i in range(n)
+                ]
+            )
+            stop = time.monotonic() + seconds
+            payloads: dict[int, bytes] = {}
+
+            async def timed(kind: str, coro: Any) -> httpx.Response:
+                t = time.perf_counter()
+                r = await coro
+                latencies[kind].append((time.perf_counter() - t) * 1000)
+                return r
+
+            async def island(j: httpx.Response) -> None:
+                nonlocal accepted
+                body = j.json()
+                iid, h = body["island_id"], {"Authorization": f"Bearer {body['token']}"}
+                while time.monotonic() < stop:
+                    r = await timed("lease", client.post(f"/v1/islands/{iid}/lease", headers=h))
+                    if r.status_code == 200:
+                        lease = r.json()
+                        key = lease["path_index"]
+                        if key not in payloads:
+                            payloads[key] = grads_for(lease)
+                        await asyncio.sleep(0.5)  # "training"
+                        await timed("heartbeat", client.post(f"/v1/islands/{iid}/heartbeat", headers=h))
+                        u = await timed(
+                            "upload",
+                            client.post(
+                                f"/v1/leases/{lease['lease_id']}/outer-gradients",
+                                content=payloads[key],
+                                headers={
+                                    **h,
+                                    "X-Dipaco-Round": str(lease["round"]),
+                                    "X-Dipaco-Tokens": "1",
+                                    "X-Dipaco-Train-Loss": "1.0",
+                                },
+                            ),
+                        )
+                        if u.status_code == 200:
+                            accepted += 1
+                        elif u.status_code != 409:
+                            errors.append(f"upload {u.status_code} {u.text[:200]}")
+                    elif r.status_code == 204:
+                        await timed("heartbeat", client.post(f"/v1/islands/{iid}/heartbeat", headers=h))
+                        await asyncio.sleep(1.0)
+                    else:
+                        errors.append(f"lease {r.status_code} {r.text[:200]}")
+                        await asyncio.sleep(1.0)
+
+            await asyncio.gather(*[island(j) for j in joined])
+        with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+            stored = admin.get("/v1/contributions", params={"run_id": run["id"], "limit": 1}).json()["count"]
+            rounds = admin.get(f"/v1/runs/{run['id']}").json()["current_round"]
+    finally:
+        proc.terminate()
+        proc.wait()
+        drop_pg(url_db)
+    everything = [x for v in latencies.values() for x in v]
+    summary = {
+        kind: {"n": len(v), "p50_ms": float(np.percentile(v, 50)), "p99_ms": float(np.percentile(v, 99))}
+        for kind, v in latencies.items()
+        if v
+    }
+    p99 = float(np.percentile(everything, 99))
+    return {
+        "bench": "islands",
+        "islands": n,
+        "workers": workers,
+        "seconds": seconds,
+        "latency": summary,
+        "p99_all_ms": p99,
+        "accepted": accepted,
+        "stored": stored,
+        "rounds_applied": rounds,
+        "errors": errors[:5],
+        "ok": p99 < 100 and stored == accepted and not errors,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", choices=["upload", "aggregate", "islands"])
+    ap.add_argument("--mb", type=float, default=100.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ks", default="4,16,64")
+    ap.add_argument("--islands", type=int, default=256)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--workers", type=int, default=1)
+    args = ap.parse_args()
+    if args.which == "upload":
+        result = bench_upload(args.mb, args.repeats)
+    elif args.which == "aggregate":
+        result = bench_aggregate(args.mb, [int(k) for k in args.ks.split(",")])
+    else:
+        result = asyncio.run(bench_islands(args.islands, args.seconds, args.workers))
+    print(json.dumps(result, indent=2))
+    sys.exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
