@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 
+from island.distributed import follower_main, launch_followers, ranks_from_env
 from island.worker import Island, IslandConfig, default_name
 
 app = typer.Typer(help="Join a DiPaCo run as a worker island.", no_args_is_help=True)
@@ -25,29 +27,70 @@ def _main() -> None:
 def join(
     coordinator: Annotated[str, typer.Option(envvar="DIPACO_COORDINATOR", help="Coordinator base URL.")],
     token: Annotated[str, typer.Option(envvar="DIPACO_JOIN_TOKEN", help="Join token.")],
-    device: Annotated[str, typer.Option(help="auto (cuda if available), cpu, cuda or cuda:N.")] = "auto",
-    name: Annotated[str | None, typer.Option(help="Island name [default: hostname-pid].")] = None,
-    site: Annotated[str, typer.Option(help="Site label.")] = "local",
-    cache_dir: Annotated[Path, typer.Option(help="Weights/shard cache.")] = Path("~/.cache/dipaco/island"),
+    device: Annotated[
+        str, typer.Option(envvar="DIPACO_ISLAND_DEVICE", help="auto (cuda if available), cpu, cuda or cuda:N.")
+    ] = "auto",
+    name: Annotated[
+        str | None, typer.Option(envvar="DIPACO_ISLAND_NAME", help="Island name [default: hostname-pid].")
+    ] = None,
+    site: Annotated[str, typer.Option(envvar="DIPACO_ISLAND_SITE", help="Site label.")] = "local",
+    cache_dir: Annotated[Path, typer.Option(envvar="DIPACO_ISLAND_CACHE_DIR", help="Weights/shard cache.")] = Path(
+        "~/.cache/dipaco/island"
+    ),
     max_rounds: Annotated[
-        int | None, typer.Option(min=1, help="Stop after this many uploaded leases [default: until done].")
+        int | None,
+        typer.Option(
+            min=1, envvar="DIPACO_ISLAND_MAX_ROUNDS", help="Stop after this many uploaded leases [default: until done]."
+        ),
     ] = None,
     exit_when_idle: Annotated[
-        bool, typer.Option("--exit-when-idle/--wait", help="Exit 0 when no run is running, or keep polling.")
+        bool,
+        typer.Option(
+            "--exit-when-idle/--wait",
+            envvar="DIPACO_ISLAND_EXIT_WHEN_IDLE",
+            help="Exit 0 when no run is running, or keep polling.",
+        ),
     ] = False,
     give_up_after: Annotated[
-        float, typer.Option(min=0, help="Seconds one coordinator call keeps retrying before exit 3.")
+        float,
+        typer.Option(
+            min=0,
+            envvar="DIPACO_ISLAND_GIVE_UP_AFTER_S",
+            help="Seconds one coordinator call keeps retrying before exit 3.",
+        ),
     ] = 300.0,
-    seed_offset: Annotated[int, typer.Option(help="Added to each lease's seed.")] = 0,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    max_backoff: Annotated[
+        float,
+        typer.Option(min=0.01, envvar="DIPACO_ISLAND_MAX_BACKOFF_S", help="Largest sleep between two retries."),
+    ] = 30.0,
+    seed_offset: Annotated[
+        int, typer.Option(envvar="DIPACO_ISLAND_SEED_OFFSET", help="Added to each lease's seed.")
+    ] = 0,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            envvar="DIPACO_ISLAND_NPROC",
+            help="Processes training each lease with DDP (rank 0 talks to the coordinator).",
+        ),
+    ] = 1,
+    probe: Annotated[
+        bool, typer.Option("--probe/--no-probe", envvar="DIPACO_ISLAND_PROBE", help="Measure tokens/s before joining.")
+    ] = True,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", envvar="DIPACO_ISLAND_QUIET", help="No progress bar.")
+    ] = False,
 ) -> None:
-    """Join a run and train leased paths until the run finishes (exit codes: see island.worker)."""
+    """Join a run and train leased paths until the run finishes (exit codes: see docs/ISLAND.md)."""
     console = Console(stderr=True)
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=console, show_path=False)]
         )
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request is noise here
+    ranks = ranks_from_env()
+    if ranks.rank > 0:  # a follower rank under torchrun: no coordinator, no cache, just DDP steps
+        raise typer.Exit(follower_main(device))
     try:
         config = IslandConfig(
             coordinator=coordinator,
@@ -59,9 +102,33 @@ def join(
             max_rounds=max_rounds,
             exit_when_idle=exit_when_idle,
             give_up_after_s=give_up_after,
+            max_backoff_s=max_backoff,
             seed_offset=seed_offset,
+            probe=probe,
             quiet=quiet,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    raise typer.Exit(Island(config, console=console).run())
+    followers: list[subprocess.Popen[bytes]] = []
+    if nproc > 1 and not ranks.distributed:
+        followers = launch_followers(nproc, device=device)
+        ranks = ranks_from_env()
+    try:
+        code = Island(config, console=console, ranks=ranks).run()
+    finally:
+        code_followers = _reap(followers)
+    raise typer.Exit(code if code else code_followers)
+
+
+def _reap(followers: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> int:
+    """Wait for the follower ranks (rank 0 told them to stop); kill any that hang. Non-zero if one failed."""
+    worst = 0
+    for proc in followers:
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        if rc:
+            worst = 1
+    return worst

@@ -30,11 +30,15 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from coordinator.schemas import GRAD_KEY_SEP, IslandCapabilities, LeaseModule, LeasePublic
+from coordinator.schemas import GRAD_KEY_SEP, LeaseModule, LeasePublic
 from island.cache import BlobCache
+from island.capabilities import capabilities
 from island.client import CoordinatorClient, RetryPolicy
+from island.distributed import Leader, init_group, rank_device
 from island.errors import CoordinatorUnavailable, IntegrityError, IslandError, LeaseLost
+from island.faults import Stall
 from island.heartbeat import Heartbeater
+from island.inner import Ranks, inner_phase
 from modules import (
     CodecError,
     InnerConfig,
@@ -46,7 +50,6 @@ from modules import (
     encode,
     make_optimizer,
     pseudo_gradient,
-    train_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,10 @@ class IslandConfig:
     """Exit 0 when no run is running, even if this island has not trained anything yet."""
     give_up_after_s: float = 300.0
     """How long one coordinator call keeps retrying before the island exits with code 3."""
+    max_backoff_s: float = 30.0
+    """Largest sleep between two retries of one call (full jitter below it)."""
+    probe: bool = True
+    """Measure tokens/s with a few debug-model steps (< 1 s) before joining, for the capabilities."""
     seed_offset: int = 0
     """Added to each lease's seed before seeding torch, so islands can differ when they need to."""
     quiet: bool = False
@@ -103,6 +110,8 @@ class IslandConfig:
             raise ValueError(f"max_rounds must be >= 1 or None, got {self.max_rounds}")
         if self.give_up_after_s < 0:
             raise ValueError(f"give_up_after_s must be >= 0, got {self.give_up_after_s}")
+        if not self.max_backoff_s > 0:
+            raise ValueError(f"max_backoff_s must be > 0, got {self.max_backoff_s}")
         self.cache_dir = Path(self.cache_dir).expanduser()
 
 
@@ -118,6 +127,14 @@ class LeaseResult:
     tokens: int = 0
     tokens_per_s: float = 0.0
     upload_bytes: int = 0
+    download_bytes: int = 0
+    """Bytes fetched from the coordinator for this lease (cache misses only)."""
+    fetch_s: float = 0.0
+    """Seconds spent getting weights and tokens (cache or network) and composing the path."""
+    train_s: float = 0.0
+    """Seconds spent in the H inner steps."""
+    upload_s: float = 0.0
+    """Seconds spent encoding and uploading the outer gradients."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -140,30 +157,26 @@ def _cpu_copy(obj: Any) -> Any:
     return obj
 
 
-def _capabilities(device: torch.device) -> IslandCapabilities:
-    memory: int | None = None
-    if device.type == "cuda":
-        memory = int(torch.cuda.get_device_properties(device).total_memory)
-    else:
-        with contextlib.suppress(ValueError, OSError, AttributeError):
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return IslandCapabilities(device=str(device), memory_bytes=memory)
-
-
 class Island:
     """One worker island. `run()` blocks until done and returns the process exit code."""
 
     def __init__(
-        self, config: IslandConfig, *, client: CoordinatorClient | None = None, console: Console | None = None
+        self,
+        config: IslandConfig,
+        *,
+        client: CoordinatorClient | None = None,
+        console: Console | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         self.config = config
-        self.client = (
-            client
-            if client is not None
-            else CoordinatorClient(
-                config.coordinator, config.token, retry=RetryPolicy(give_up_after_s=config.give_up_after_s)
-            )
+        self.ranks = ranks if ranks is not None else Ranks()
+        """Rank 0 of a multi-process island when world_size > 1 (see island.distributed)."""
+        if self.ranks.rank != 0:
+            raise ValueError("only rank 0 runs an Island; the other ranks run island.distributed.Follower")
+        retry = RetryPolicy(
+            give_up_after_s=config.give_up_after_s, cap_s=max(config.max_backoff_s, RetryPolicy().base_s)
         )
+        self.client = client if client is not None else CoordinatorClient(config.coordinator, config.token, retry=retry)
         self.console = console if console is not None else Console(stderr=True)
         self.cache = BlobCache(config.cache_dir)
         self.results: list[LeaseResult] = []
@@ -176,6 +189,12 @@ class Island:
         self._opt_key: tuple[int, int] | None = None
         self._opt_state: dict[str, Any] | None = None
         """AdamW state after the last accepted lease, kept for the next lease of the same (run, path)."""
+        self._opt_lease: int | None = None
+        """The lease `_opt_state` belongs to (multi-process islands: followers keep their own copy)."""
+        self._leader: Leader | None = None
+        self._stall = Stall.from_env()
+        self._downloaded = 0
+        """Bytes downloaded for the lease being prepared."""
         self.device = torch.device("cpu")
 
     @property
@@ -239,9 +258,22 @@ class Island:
     def _run(self) -> int:
         self.device = resolve_device(self.config.device)
         cfg = self.config
-        joined = self.client.join(cfg.name, cfg.site, _capabilities(self.device))
+        if self.ranks.distributed:
+            self.device = rank_device(self.device)
+            init_group(self.ranks, self.device)
+            self._leader = Leader(self.ranks, self.device)
+        caps = capabilities(self.device, probe=cfg.probe)
+        joined = self.client.join(cfg.name, cfg.site, caps)
         self._joined = True
-        log.info("joined %s as island %d (%s, device %s)", cfg.coordinator, joined.island_id, cfg.name, self.device)
+        log.info(
+            "joined %s as island %d (%s, device %s x %d process(es), probe %s tok/s)",
+            cfg.coordinator,
+            joined.island_id,
+            cfg.name,
+            self.device,
+            self.ranks.world_size,
+            caps.tokens_per_s,
+        )
         self._heartbeat = Heartbeater(self.client, interval_s=joined.heartbeat_interval_s)
         self._heartbeat.start()
         while not self._stop.is_set():
@@ -257,6 +289,8 @@ class Island:
                     log.info("no run is running; leaving after %d lease(s)", self.rounds_done)
                     return EXIT_OK
                 log.debug("no work (%s); asking again in %.1fs", idle.reason, idle.retry_after_s)
+                if self._leader is not None:
+                    self._leader.keepalive()
                 self._stop.wait(idle.retry_after_s)
                 continue
             self._lease = lease
@@ -287,6 +321,10 @@ class Island:
             with contextlib.suppress(IslandError):
                 self.client.leave(give_up_after_s=budget)
             self._joined = False
+        if self._leader is not None:
+            with contextlib.suppress(RuntimeError):  # a follower already gone: nothing left to stop
+                self._leader.stop()
+            self._leader = None
         self.client.close()
 
     # -- one lease -----------------------------------------------------------------------------------------
@@ -308,6 +346,8 @@ class Island:
             inner = InnerConfig(**lease.inner)
         except (TypeError, ValueError) as exc:
             raise IslandError(f"{where}: bad model or inner config: {exc}") from exc
+        t_fetch = time.perf_counter()
+        self._downloaded = 0
         levels = sorted(lease.modules, key=lambda m: m.level)
         base = [self._module_weights(m, where) for m in levels]
         tokens = self._tokens(lease, model_cfg, inner, where)
@@ -320,12 +360,19 @@ class Island:
             raise IslandError(f"{where}: module weights do not compose a path: {exc}") from exc
         optimizer = make_optimizer(model, inner)
         key = (lease.run_id, lease.path_id)
-        if self._opt_key == key and self._opt_state is not None:
+        resume = self._opt_key == key and self._opt_state is not None
+        if resume:
             optimizer.load_state_dict(_cpu_copy(self._opt_state))
         torch.manual_seed(lease.seed + self.config.seed_offset)
         batches = batches_from_tokens(
             tokens, batch_size=inner.batch_size, seq_len=model_cfg.seq_len, steps=lease.inner_steps
         )
+        if self._leader is not None:
+            try:
+                self.ranks.rows(inner.batch_size)
+            except ValueError as exc:
+                raise IslandError(f"{where}: {exc}") from exc
+            self._leader.announce(lease, tokens, resume=resume, accepted_lease=self._opt_lease)
 
         result = LeaseResult(
             lease_id=lease.lease_id,
@@ -333,6 +380,8 @@ class Island:
             path_index=lease.path_index,
             status="uploaded",
             tokens=lease.inner_steps * inner.batch_size * model_cfg.seq_len,
+            download_bytes=self._downloaded,
+            fetch_s=time.perf_counter() - t_fetch,
         )
         elapsed = self._inner_steps(lease, model, optimizer, batches, inner, result)
         if result.status == "stopped":
@@ -341,13 +390,17 @@ class Island:
             self._lease = None
             return result
         result.tokens_per_s = result.tokens / max(elapsed, 1e-9)
+        result.train_s = elapsed
+        t_upload = time.perf_counter()
 
         payload = encode(self._outer_gradients(levels, base, model))
         result.upload_bytes = len(payload)
         mean_loss = sum(result.losses) / len(result.losses)
         contribution = self.client.upload(lease, payload, tokens=result.tokens, train_loss=mean_loss)
+        result.upload_s = time.perf_counter() - t_upload
         # The inner state is kept only once the coordinator has accepted the work it belongs to.
         self._opt_key, self._opt_state = key, _cpu_copy(optimizer.state_dict())
+        self._opt_lease = lease.lease_id
         log.info(
             "round %d path %d: loss %.4f→%.4f, %.0f tok/s, upload %.2f MB%s",
             lease.round,
@@ -369,12 +422,16 @@ class Island:
         inner: InnerConfig,
         result: LeaseResult,
     ) -> float:
-        """Run the H inner steps one at a time (stop / lost checks in between); returns seconds spent."""
-        assert self._heartbeat is not None
+        """Run the H inner steps (stop / lost checks before each); returns seconds spent training.
+
+        Raises `LeaseLost` when the heartbeat says the lease is gone; sets `result.status = "stopped"` on a stop
+        request. Losses land in `result.losses`.
+        """
+        heartbeat = self._heartbeat
+        assert heartbeat is not None
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
         if self.device.type == "cuda":
-            # bf16 autocast; train_steps runs backward inside it too, which autocast handles (the backward
-            # ops reuse the forward's dtypes). Parameters and AdamW state stay fp32.
+            # bf16 autocast around the forward; parameters and AdamW state stay fp32.
             def autocast() -> contextlib.AbstractContextManager[Any]:
                 return torch.autocast("cuda", dtype=torch.bfloat16)
 
@@ -388,32 +445,64 @@ class Island:
             console=self.console,
             disable=self.config.quiet,
             transient=False,
+            refresh_per_second=2,  # the bar redraws from a thread; fewer redraws, less GIL taken from training
         )
         tokens_per_step = inner.batch_size * model.cfg.seq_len
-        elapsed = 0.0
+        lost = False
+        t0 = time.perf_counter()
+        last_shown = 0.0
+
+        def before_step(i: int) -> bool:
+            nonlocal lost
+            if self._stall is not None:
+                self._stall.maybe_stall(lease_id=lease.lease_id, round=lease.round, step=i, stop=self._stop)
+            if self._stop.is_set():
+                result.status = "stopped"
+                return False
+            if heartbeat.lease_lost:
+                lost = True
+                return False
+            return True
+
+        def after_step(i: int, loss: torch.Tensor) -> None:
+            nonlocal last_shown
+            if self.config.quiet:
+                return
+            now = time.perf_counter()
+            # Reading the loss syncs the device: do it at most a few times a second, never every step.
+            if now - last_shown < 0.25 and i + 1 < len(batches):
+                progress.update(task, advance=1)
+                return
+            last_shown = now
+            value = float(loss)
+            progress.update(
+                task,
+                advance=1,
+                loss=f"{value:.4f}" if math.isfinite(value) else str(value),
+                tps=f"{tokens_per_step * (i + 1) / max(now - t0, 1e-9):.0f}",
+            )
+
         with progress:
             task = progress.add_task(
                 "train", total=len(batches), round=lease.round, path=lease.path_index, loss="-", tps="-"
             )
-            for i, (x, y) in enumerate(batches):
-                if self._stop.is_set():
-                    result.status = "stopped"
-                    break
-                if self._heartbeat.lease_lost:
-                    self._check_fatal()
-                    raise LeaseLost(lease.lease_id, "heartbeat reply no longer lists it")
-                t0 = time.perf_counter()
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                with autocast():
-                    (loss,) = train_steps(model, optimizer, [(x, y)], inner, first_step=lease.first_step + i)
-                elapsed += time.perf_counter() - t0
-                result.losses.append(loss)
-                progress.update(
-                    task,
-                    advance=1,
-                    loss=f"{loss:.4f}" if math.isfinite(loss) else str(loss),
-                    tps=f"{tokens_per_step * (i + 1) / max(elapsed, 1e-9):.0f}",
-                )
+            t0 = time.perf_counter()
+            result.losses = inner_phase(
+                model,
+                optimizer,
+                batches,
+                inner,
+                first_step=lease.first_step,
+                device=self.device,
+                ranks=self.ranks,
+                autocast=autocast,
+                before_step=before_step,
+                after_step=after_step,
+            )
+            elapsed = time.perf_counter() - t0
+        if lost:
+            self._check_fatal()
+            raise LeaseLost(lease.lease_id, "heartbeat reply no longer lists it")
         return elapsed
 
     @staticmethod
@@ -432,7 +521,9 @@ class Island:
 
     def _module_weights(self, module: LeaseModule, where: str) -> dict[str, torch.Tensor]:
         def fetch() -> bytes:
-            return self.client.module_weights(module.module_id, module.version, module.weights_hash)
+            data = self.client.module_weights(module.module_id, module.version, module.weights_hash)
+            self._downloaded += len(data)
+            return data
 
         data = self.cache.get_or_fetch(module.weights_hash, _retry_integrity_once(fetch))
         try:
@@ -444,7 +535,9 @@ class Island:
         shard = lease.shard
 
         def fetch() -> bytes:
-            return self.client.shard_tokens(shard.shard_id, shard.tokens_hash)
+            data = self.client.shard_tokens(shard.shard_id, shard.tokens_hash)
+            self._downloaded += len(data)
+            return data
 
         tokens = self.cache.tokens(shard.tokens_hash, _retry_integrity_once(fetch))
         need = lease.inner_steps * inner.batch_size * model_cfg.seq_len + 1

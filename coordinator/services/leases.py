@@ -21,38 +21,51 @@ from coordinator.timeutil import as_utc
 
 
 def expire_stale_leases(session: Session, *, now: datetime) -> int:
-    """Mark active leases past their expiry as expired (the caller commits)."""
+    """Mark active leases past their expiry as expired (the caller commits).
+
+    A cheap read first: most calls find nothing to expire and then write nothing (no row locks taken).
+    """
+    stale = select(Lease.id).where(Lease.status == "active", Lease.expires_at < now)
+    if session.scalar(stale.limit(1)) is None:
+        return 0
     result = session.execute(
         update(Lease).where(Lease.status == "active", Lease.expires_at < now).values(status="expired")
     )
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
+def _free_paths(session: Session, run_id: int, round_: int) -> list[Path]:
+    busy = select(Lease.path_id).where(
+        Lease.run_id == run_id, Lease.round == round_, Lease.status.in_(("active", "submitted"))
+    )
+    return list(session.scalars(select(Path).where(Path.run_id == run_id, Path.id.not_in(busy)).order_by(Path.index)))
+
+
 def acquire_lease(session: Session, island_id: int, *, now: datetime) -> tuple[Lease | None, str]:
     """Issue a lease to an island, or return (None, reason) with reason `waiting` or `no-running-runs`.
 
-    Call `expire_stale_leases` (and commit) first so that paths of expired leases are free again.
+    Call `expire_stale_leases` (and commit) first so that paths of expired leases are free again. Free paths are
+    probed without a lock; only when one exists is the run row locked and the choice made again under the lock,
+    so idle islands polling for work never queue behind each other.
     """
-    runs = session.scalars(select(Run).where(Run.status == "running").order_by(Run.id).with_for_update()).all()
-    if not runs:
-        session.commit()
+    running = session.execute(select(Run.id, Run.current_round).where(Run.status == "running").order_by(Run.id)).all()
+    if not running:
+        session.rollback()
         return None, "no-running-runs"
-    for run in runs:
-        busy = select(Lease.path_id).where(
-            Lease.run_id == run.id,
-            Lease.round == run.current_round,
-            Lease.status.in_(("active", "submitted")),
-        )
-        free = session.scalars(
-            select(Path).where(Path.run_id == run.id, Path.id.not_in(busy)).order_by(Path.index)
-        ).all()
+    for run_id, round_ in running:
+        if not _free_paths(session, run_id, round_):
+            continue
+        run = session.scalar(select(Run).where(Run.id == run_id).with_for_update())
+        if run is None or run.status != "running":
+            continue
+        free = _free_paths(session, run.id, run.current_round)
         if not free:
             continue
         path = next((p for p in free if p.last_island_id == island_id), free[0])
         lease = _issue(session, run, path, island_id, now=now)
         session.commit()
         return lease, "leased"
-    session.commit()
+    session.rollback()
     return None, "waiting"
 
 

@@ -33,25 +33,24 @@ log = logging.getLogger(__name__)
 def maybe_apply_round(
     session: Session, blobs: BlobStore, run_id: int, *, now: datetime, faults: FaultInjector = NO_FAULTS
 ) -> bool:
-    """Apply the run's current round if every path contributed; True if this call applied it."""
-    run = session.scalar(select(Run).where(Run.id == run_id).with_for_update())
+    """Apply the run's current round if it is ready to close; True if this call applied it.
+
+    Readiness is probed without a lock first (most calls come from lease requests and find nothing to do), then
+    checked again with the run row locked before anything is written.
+    """
+    probe = session.get(Run, run_id)
+    if probe is None or probe.status != "running" or _contributed(session, probe, now) is None:
+        session.rollback()
+        return False
+    run = session.scalar(
+        select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
+    )
     if run is None or run.status != "running":
         session.rollback()
         return False
     number = run.current_round
-    contributed = session.scalar(
-        select(func.count(func.distinct(Contribution.path_id))).where(
-            Contribution.run_id == run.id, Contribution.round == number, Contribution.status == "accepted"
-        )
-    )
-    rnd = session.scalar(select(Round).where(Round.run_id == run.id, Round.number == number))
-    if rnd is None or rnd.status != "open":
-        session.rollback()
-        return False
-    contributed = contributed or 0
-    complete = contributed >= run.num_paths
-    past_deadline = rnd.deadline is not None and now >= as_utc(rnd.deadline)
-    if not (complete or (past_deadline and contributed >= quorum_count(run))):
+    contributed = _contributed(session, run, now)
+    if contributed is None:
         session.rollback()
         return False
     won = session.execute(
@@ -108,6 +107,25 @@ def maybe_apply_round(
     session.commit()
     log.info("run %s: round %s applied (%s of %s paths)", run.id, number, contributed, run.num_paths)
     return True
+
+
+def _contributed(session: Session, run: Run, now: datetime) -> int | None:
+    """Paths that contributed to the run's open round, if the round may close now (else None)."""
+    number = run.current_round
+    rnd = session.scalar(select(Round).where(Round.run_id == run.id, Round.number == number))
+    if rnd is None or rnd.status != "open":
+        return None
+    contributed = (
+        session.scalar(
+            select(func.count(func.distinct(Contribution.path_id))).where(
+                Contribution.run_id == run.id, Contribution.round == number, Contribution.status == "accepted"
+            )
+        )
+        or 0
+    )
+    complete = contributed >= run.num_paths
+    past_deadline = rnd.deadline is not None and now >= as_utc(rnd.deadline)
+    return contributed if complete or (past_deadline and contributed >= quorum_count(run)) else None
 
 
 def quorum_count(run: Run) -> int:

@@ -41,6 +41,7 @@ def make_island(fake: FakeCoordinator, tmp_path: Path, **overrides: Any) -> Isla
             "device": "cpu",
             "cache_dir": tmp_path / "cache",
             "quiet": True,
+            "probe": False,
             "handle_signals": False,
             **overrides,
         }

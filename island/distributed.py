@@ -1,0 +1,221 @@
+"""Multi-process islands: N ranks train one lease with DDP; only rank 0 talks to the coordinator.
+
+How work reaches the other ranks (all over the island's own process group, never over the network to the
+coordinator):
+  1. rank 0 leases, downloads and composes the path as a single-process island would;
+  2. it broadcasts a small JSON command (`broadcast_object_list`): the lease, whether to resume the inner AdamW
+     state, and which lease that state belongs to;
+  3. it broadcasts the lease's token range as one int64 tensor (followers need neither the cache nor HTTP);
+  4. every follower builds the path's architecture and wraps it in DDP, whose constructor broadcasts rank 0's
+     parameters, so every rank starts from the downloaded weights;
+  5. all ranks run `inner.inner_phase` on their slice of each batch; rank 0 computes and uploads the outer
+     gradient. Followers keep their own copy of the inner AdamW state (identical to rank 0's: same averaged
+     gradients), promoted to "accepted" only when rank 0 says the lease was accepted.
+While idle rank 0 broadcasts `idle` commands so the followers' blocking receive never hits the process-group
+timeout; `stop` ends them.
+
+Launch: `dipaco island join --nproc N` starts N-1 follower processes itself (rank 0 is the command's own
+process), or run `torchrun --nproc-per-node N -m dipaco island join ...` (RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT from the environment; rank > 0 becomes a follower).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from coordinator.schemas import LeasePublic
+from island.inner import Ranks, inner_phase
+from modules import InnerConfig, ModelConfig, PathModel, batches_from_tokens, make_optimizer
+
+log = logging.getLogger(__name__)
+
+PG_TIMEOUT_ENV = "DIPACO_ISLAND_PG_TIMEOUT_S"
+"""Process-group timeout of a multi-process island in seconds (default 1800: longer than the client's give-up
+time, so a follower waiting for rank 0 through a coordinator outage does not time out)."""
+PARENT_PID_ENV = "DIPACO_ISLAND_PARENT_PID"
+"""Set on followers started by `--nproc`: they exit when that process is gone."""
+
+
+def ranks_from_env() -> Ranks:
+    """This process's place in a torchrun-style launch (RANK, WORLD_SIZE); Ranks() when not launched so."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return Ranks(rank=int(os.environ.get("RANK", "0")), world_size=world)
+
+
+def rank_device(base: torch.device) -> torch.device:
+    """One GPU per rank (cuda:LOCAL_RANK) on CUDA; CPU ranks share the CPU."""
+    if base.type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return base
+
+
+def init_group(ranks: Ranks, device: torch.device) -> None:
+    """Join the island's process group (gloo on CPU, NCCL on CUDA) from the torchrun environment."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        timeout=timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800"))),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_followers(nproc: int, *, device: str) -> list[subprocess.Popen[bytes]]:
+    """Make this process rank 0 of `nproc` and start ranks 1..nproc-1 as `python -m island.follower`."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc)}
+    os.environ.update(env, RANK="0", LOCAL_RANK="0")
+    children = []
+    for rank in range(1, nproc):
+        child_env = {
+            **os.environ,
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            PARENT_PID_ENV: str(os.getpid()),
+        }
+        children.append(subprocess.Popen([sys.executable, "-m", "island.follower", "--device", device], env=child_env))
+    return children
+
+
+class Leader:
+    """Rank 0's side of the protocol (used by `Island` when the world size is above 1)."""
+
+    def __init__(self, ranks: Ranks, device: torch.device) -> None:
+        self.ranks = ranks
+        self.device = device
+        self._last_keepalive = 0.0
+
+    def _send(self, command: dict[str, Any]) -> None:
+        dist.broadcast_object_list([command], src=0, device=self.device if self.device.type == "cuda" else None)
+
+    def announce(self, lease: LeasePublic, tokens: torch.Tensor, *, resume: bool, accepted_lease: int | None) -> None:
+        """Send a lease and its token range to every follower."""
+        self._send(
+            {
+                "op": "train",
+                "lease": lease.model_dump_json(),
+                "num_tokens": int(tokens.numel()),
+                "resume": resume,
+                "accepted_lease": accepted_lease,
+            }
+        )
+        dist.broadcast(tokens.to(self.device, dtype=torch.int64).contiguous(), src=0)
+
+    def keepalive(self, *, every_s: float = 5.0) -> None:
+        """Tell idle followers we are alive (their receive would otherwise time out)."""
+        now = time.monotonic()
+        if now - self._last_keepalive >= every_s:
+            self._send({"op": "idle"})
+            self._last_keepalive = now
+
+    def stop(self) -> None:
+        try:
+            self._send({"op": "stop"})
+        finally:
+            dist.destroy_process_group()
+
+
+@dataclass(slots=True)
+class _State:
+    lease_id: int
+    key: tuple[int, int]
+    state: dict[str, Any]
+
+
+class Follower:
+    """Ranks 1..N-1: train what rank 0 announces, until it says stop."""
+
+    def __init__(self, ranks: Ranks, device: torch.device) -> None:
+        self.ranks = ranks
+        self.device = device
+        self._pending: _State | None = None
+        self._accepted: _State | None = None
+        self.leases_trained = 0
+
+    def _recv(self) -> dict[str, Any]:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        command = box[0]
+        assert isinstance(command, dict), f"rank 0 sent {command!r}"
+        return command
+
+    def run(self) -> int:
+        try:
+            while True:
+                command = self._recv()
+                if command["op"] == "stop":
+                    return 0
+                if command["op"] == "train":
+                    self._train(command)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def _train(self, command: dict[str, Any]) -> None:
+        lease = LeasePublic.model_validate_json(command["lease"])
+        tokens = torch.empty(int(command["num_tokens"]), dtype=torch.int64, device=self.device)
+        dist.broadcast(tokens, src=0)
+        model_cfg = ModelConfig.from_dict(lease.model)
+        inner = InnerConfig(**lease.inner)
+        if self._pending is not None and self._pending.lease_id == command["accepted_lease"]:
+            self._accepted = self._pending
+        self._pending = None
+        key = (lease.run_id, lease.path_id)
+        model = PathModel(model_cfg).to(self.device)  # DDP overwrites these weights with rank 0's
+        optimizer = make_optimizer(model, inner)
+        if command["resume"]:
+            if self._accepted is None or self._accepted.key != key:
+                raise RuntimeError(f"rank {self.ranks.rank}: no inner state of lease {command['accepted_lease']}")
+            optimizer.load_state_dict(self._accepted.state)
+        batches = batches_from_tokens(
+            tokens.cpu(), batch_size=inner.batch_size, seq_len=model_cfg.seq_len, steps=lease.inner_steps
+        )
+        losses = inner_phase(
+            model, optimizer, batches, inner, first_step=lease.first_step, device=self.device, ranks=self.ranks
+        )
+        if len(losses) == lease.inner_steps:
+            self._pending = _State(lease_id=lease.lease_id, key=key, state=optimizer.state_dict())
+        self.leases_trained += 1
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when rank 0 (our parent under --nproc) is gone, instead of blocking until the group times out."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(1.0)
+
+
+def follower_main(device_name: str) -> int:
+    """Entry point of ranks 1..N-1. SIGINT is ignored: a terminal Ctrl-C reaches the whole process group, and
+    rank 0 decides (release the lease, then `stop`)."""
+    from island.worker import resolve_device
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent:
+        threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
+    ranks = ranks_from_env()
+    device = rank_device(resolve_device(device_name))
+    init_group(ranks, device)
+    return Follower(ranks, device).run()

@@ -1,0 +1,37 @@
+"""`dipaco island join --nproc 2`: a 2-process gloo island (rank 0 talks to the coordinator, DDP inside) trains a
+run to the end against a real coordinator. Numerical equality with one process: tests/island/test_island_ddp.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import Cluster, create_run, wait_finished
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SPEC = {
+    "name": "nproc",
+    "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
+    "layout": "embed:shared, b0-1:routed2, head:shared",
+    "inner": {"batch_size": 4, "warmup_steps": 0, "lr": 0.01},
+    "inner_steps": 3,
+    "num_rounds": 2,
+    "lease_ttl_s": 60,
+}
+
+
+def test_two_process_island_trains_a_run_to_the_end(cluster: Cluster) -> None:
+    cluster.start_coordinator()
+    with cluster.admin() as client:
+        run_id = create_run(client, SPEC)
+        island = cluster.start_island("ddp", "--nproc", "2", "--no-probe")
+        wait_finished(cluster, client, run_id, timeout_s=90)
+        assert island.wait(timeout=60) == 0, cluster.log("ddp")
+        modules = client.get("/v1/modules", params={"run_id": run_id}).json()["data"]
+        contributions = client.get("/v1/contributions", params={"run_id": run_id}).json()
+
+    assert sorted(m["version"] for m in modules) == [2, 2, 2, 2]
+    assert contributions["count"] == 4  # 2 paths x 2 rounds, all from the one (2-process) island
+    assert len({c["island_id"] for c in contributions["data"]}) == 1
+    assert "x 2 process(es)" in cluster.log("ddp")
