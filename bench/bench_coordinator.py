@@ -135,6 +135,10 @@ def grads_for(lease: dict[str, Any], *, scale: float = 1e-3) -> bytes:
 
 
 LAYOUT_OF: dict[int, str] = {}
+HEARTBEAT_S = 10.0
+"""Simulated islands heartbeat at the coordinator's default interval."""
+TRAIN_S = 2.0
+"""Simulated inner phase of one lease."""
 
 
 # ---------------------------------------------------------------------------------------------- upload
@@ -355,7 +359,7 @@ async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
         with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
             run = create_run(admin, spec, num_tokens=200)
         LAYOUT_OF[run["id"]] = layout
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        limits = httpx.Limits(max_connections=2 * n, max_keepalive_connections=2 * n)  # lease loop + heartbeats
         async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
             joined = await asyncio.gather(
                 *[
@@ -372,19 +376,33 @@ async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
                 latencies[kind].append((time.perf_counter() - t) * 1000)
                 return r
 
+            async def heartbeats(iid: int, h: dict[str, str]) -> None:
+                # like a real island: a heartbeat every interval, in the background
+                await asyncio.sleep(HEARTBEAT_S * (iid % 100) / 100)  # spread the islands over the interval
+                while time.monotonic() < stop:
+                    try:
+                        await timed("heartbeat", client.post(f"/v1/islands/{iid}/heartbeat", headers=h))
+                    except httpx.HTTPError as exc:
+                        errors.append(f"heartbeat {exc!r}")
+                    await asyncio.sleep(HEARTBEAT_S)
+
             async def island(j: httpx.Response) -> None:
                 nonlocal accepted
                 body = j.json()
                 iid, h = body["island_id"], {"Authorization": f"Bearer {body['token']}"}
+                beat = asyncio.create_task(heartbeats(iid, h))
                 while time.monotonic() < stop:
-                    r = await timed("lease", client.post(f"/v1/islands/{iid}/lease", headers=h))
+                    try:
+                        r = await timed("lease", client.post(f"/v1/islands/{iid}/lease", headers=h))
+                    except httpx.HTTPError as exc:
+                        errors.append(f"lease {exc!r}")
+                        continue
                     if r.status_code == 200:
                         lease = r.json()
                         key = lease["path_index"]
                         if key not in payloads:
                             payloads[key] = grads_for(lease)
-                        await asyncio.sleep(0.5)  # "training"
-                        await timed("heartbeat", client.post(f"/v1/islands/{iid}/heartbeat", headers=h))
+                        await asyncio.sleep(TRAIN_S)  # "training"
                         u = await timed(
                             "upload",
                             client.post(
@@ -403,11 +421,11 @@ async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
                         elif u.status_code != 409:
                             errors.append(f"upload {u.status_code} {u.text[:200]}")
                     elif r.status_code == 204:
-                        await timed("heartbeat", client.post(f"/v1/islands/{iid}/heartbeat", headers=h))
-                        await asyncio.sleep(1.0)
+                        await asyncio.sleep(float(r.headers.get("Retry-After", "2")))
                     else:
                         errors.append(f"lease {r.status_code} {r.text[:200]}")
                         await asyncio.sleep(1.0)
+                await beat
 
             await asyncio.gather(*[island(j) for j in joined])
         with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:

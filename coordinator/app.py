@@ -35,7 +35,7 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
     url = settings.resolved_database_url
     if settings.migrate_on_start:
         db.upgrade(url)
-    engine = db.make_engine(url)
+    engine = db.make_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
     blobs = open_blob_store(settings.resolved_blob_url, s3_endpoint_url=settings.s3_endpoint_url)
     spool = settings.data_dir.resolve() / "spool"
     spool.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,9 @@ from sqlalchemy.orm import Session, sessionmaker
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Engine:
+    """pool_size + max_overflow should cover the server's worker threads (40 for FastAPI's default
+    threadpool), so requests queue for a thread, not for a connection."""
     if url.startswith("sqlite"):
         if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
             Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
@@ -36,7 +38,7 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -34,11 +34,14 @@ def expire_stale_leases(session: Session, *, now: datetime) -> int:
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
-def _free_paths(session: Session, run_id: int, round_: int) -> list[Path]:
+def _free_path(session: Session, run_id: int, round_: int, island_id: int) -> Path | None:
+    """The path this island trained last if it is free, else the free path with the lowest index."""
     busy = select(Lease.path_id).where(
         Lease.run_id == run_id, Lease.round == round_, Lease.status.in_(("active", "submitted"))
     )
-    return list(session.scalars(select(Path).where(Path.run_id == run_id, Path.id.not_in(busy)).order_by(Path.index)))
+    free = select(Path).where(Path.run_id == run_id, Path.id.not_in(busy))
+    warm = session.scalar(free.where(Path.last_island_id == island_id).order_by(Path.index).limit(1))
+    return warm or session.scalar(free.order_by(Path.index).limit(1))
 
 
 def acquire_lease(session: Session, island_id: int, *, now: datetime) -> tuple[Lease | None, str]:
@@ -53,15 +56,16 @@ def acquire_lease(session: Session, island_id: int, *, now: datetime) -> tuple[L
         session.rollback()
         return None, "no-running-runs"
     for run_id, round_ in running:
-        if not _free_paths(session, run_id, round_):
+        if _free_path(session, run_id, round_, island_id) is None:
             continue
-        run = session.scalar(select(Run).where(Run.id == run_id).with_for_update())
+        run = session.scalar(
+            select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
+        )
         if run is None or run.status != "running":
             continue
-        free = _free_paths(session, run.id, run.current_round)
-        if not free:
+        path = _free_path(session, run.id, run.current_round, island_id)
+        if path is None:
             continue
-        path = next((p for p in free if p.last_island_id == island_id), free[0])
         lease = _issue(session, run, path, island_id, now=now)
         session.commit()
         return lease, "leased"
