@@ -65,10 +65,18 @@ class PlainGPT(nn.Module):
         self.tok.copy_(state["tok_emb.weight"])
         self.pos.copy_(state["pos_emb.weight"])
         pairs = {
-            "ln1_w": "ln1.weight", "ln1_b": "ln1.bias", "ln2_w": "ln2.weight", "ln2_b": "ln2.bias",
-            "qkv_w": "attn.qkv.weight", "qkv_b": "attn.qkv.bias", "o_w": "attn.proj.weight",
-            "o_b": "attn.proj.bias", "fc_w": "mlp.fc.weight", "fc_b": "mlp.fc.bias",
-            "pr_w": "mlp.proj.weight", "pr_b": "mlp.proj.bias",
+            "ln1_w": "ln1.weight",
+            "ln1_b": "ln1.bias",
+            "ln2_w": "ln2.weight",
+            "ln2_b": "ln2.bias",
+            "qkv_w": "attn.qkv.weight",
+            "qkv_b": "attn.qkv.bias",
+            "o_w": "attn.proj.weight",
+            "o_b": "attn.proj.bias",
+            "fc_w": "mlp.fc.weight",
+            "fc_b": "mlp.fc.bias",
+            "pr_w": "mlp.proj.weight",
+            "pr_b": "mlp.proj.bias",
         }
         for ours, theirs in pairs.items():
             param = getattr(self, ours)
@@ -79,8 +87,7 @@ class PlainGPT(nn.Module):
         self.head.copy_(state["lm_head.weight"])
 
 
-def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, seconds: float
-               ) -> float:
+def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, seconds: float) -> float:
     """Train steps on one batch for about `seconds`; returns tokens/s."""
     steps = 0
     start = time.perf_counter()
@@ -125,8 +132,9 @@ def main() -> None:
 
     inner = InnerConfig()
     opt_c = make_optimizer(composed, inner)
-    opt_p = torch.optim.AdamW(plain.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
-                              weight_decay=inner.weight_decay)
+    opt_p = torch.optim.AdamW(
+        plain.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay
+    )
     time_steps(composed, opt_c, x, y, 0.5)  # warm-up (allocator, kernels)
     time_steps(plain, opt_p, x, y, 0.5)
     rates_c: list[float] = []
@@ -139,13 +147,18 @@ def main() -> None:
     c, p = statistics.median(rates_c), statistics.median(rates_p)
     # adjacent measurements share the machine's load, so the median of per-repetition ratios is the headline
     paired = statistics.median(rc / rp for rc, rp in zip(rates_c, rates_p, strict=True))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, flavour {args.flavour}, "
-          f"batch {args.batch_size}x{cfg.seq_len}, {args.reps} reps x {args.seconds}s, max |logit diff| {diff:.1e}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, flavour {args.flavour}, "
+        f"batch {args.batch_size}x{cfg.seq_len}, {args.reps} reps x {args.seconds}s, max |logit diff| {diff:.1e}"
+    )
     print(f"composed (modules.build_path): {c:,.0f} tokens/s  (reps: {', '.join(f'{r:,.0f}' for r in rates_c)})")
     print(f"plain nn.Module:               {p:,.0f} tokens/s  (reps: {', '.join(f'{r:,.0f}' for r in rates_p)})")
     best = max(rates_c) / max(rates_p)
-    print(f"ratio composed / plain: {paired:.3f} median of paired reps, {best:.3f} best-of, {c / p:.3f} of medians"
-          f" (target >= 0.97)")
+    print(
+        f"ratio composed / plain: {paired:.3f} median of paired reps, {best:.3f} best-of, {c / p:.3f} of medians"
+        f" (target >= 0.97)"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -38,8 +38,10 @@ def generate(work: Path, mb: int) -> tuple[Path, int, int]:
         while written < target:
             for d in docs:
                 text = f"{d['text']}\n[copy {copy}]\n"
-                fh.write(json.dumps({"id": f"{d['id']}#{copy}", "domain": d["domain"], "text": text},
-                                    ensure_ascii=False) + "\n")
+                fh.write(
+                    json.dumps({"id": f"{d['id']}#{copy}", "domain": d["domain"], "text": text}, ensure_ascii=False)
+                    + "\n"
+                )
                 written += len(text.encode("utf-8"))
                 n += 1
                 if written >= target:
@@ -53,14 +55,27 @@ def shard_child(corpus: str, out: str, paths: int, levels: str | None, fit_sampl
     from router.shards import shard_corpus
 
     t0 = time.perf_counter()
-    manifest = shard_corpus(Path(corpus), Path(out), num_paths=paths, fit_sample=fit_sample,
-                            levels=[int(x) for x in levels.split(",")] if levels else None)
+    manifest = shard_corpus(
+        Path(corpus),
+        Path(out),
+        num_paths=paths,
+        fit_sample=fit_sample,
+        levels=[int(x) for x in levels.split(",")] if levels else None,
+    )
     seconds = time.perf_counter() - t0
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    print(json.dumps({"seconds": seconds, "peak_rss_mb": rss_mb, "purity": manifest["purity"],
-                      "purity_random": manifest["purity_random"],
-                      "token_shares": manifest["balance"]["token_shares"],
-                      "satisfied": manifest["balance"]["satisfied"]}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "peak_rss_mb": rss_mb,
+                "purity": manifest["purity"],
+                "purity_random": manifest["purity_random"],
+                "token_shares": manifest["balance"]["token_shares"],
+                "satisfied": manifest["balance"]["satisfied"],
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -81,18 +96,29 @@ def main() -> None:
         t0 = time.perf_counter()
         corpus, n, nbytes = generate(work, args.mb)
         gen_s = time.perf_counter() - t0
-        cmd = [sys.executable, __file__, "--paths", str(args.paths), "--fit-sample", str(args.fit_sample),
-               "--child", str(corpus), str(work / "shards")]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--paths",
+            str(args.paths),
+            "--fit-sample",
+            str(args.fit_sample),
+            "--child",
+            str(corpus),
+            str(work / "shards"),
+        ]
         if args.levels:
             cmd += ["--levels", args.levels]
         child = subprocess.run(cmd, check=True, capture_output=True, text=True)
         result = json.loads(child.stdout.strip().splitlines()[-1])
         mb = nbytes / 1e6
         print(f"generated {mb:.0f} MB ({n} documents) in {gen_s:.0f} s")
-        print(f"shard_corpus: {result['seconds']:.1f} s, {mb / result['seconds']:.1f} MB/s, "
-              f"peak RSS {result['peak_rss_mb']:.0f} MB, {args.paths} paths, purity {result['purity']:.3f} "
-              f"(random {result['purity_random']:.3f}), token shares {result['token_shares']} "
-              f"(within bounds: {result['satisfied']})")
+        print(
+            f"shard_corpus: {result['seconds']:.1f} s, {mb / result['seconds']:.1f} MB/s, "
+            f"peak RSS {result['peak_rss_mb']:.0f} MB, {args.paths} paths, purity {result['purity']:.3f} "
+            f"(random {result['purity_random']:.3f}), token shares {result['token_shares']} "
+            f"(within bounds: {result['satisfied']})"
+        )
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

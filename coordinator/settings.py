@@ -26,6 +26,11 @@ class Settings(BaseSettings):
     )
     admin_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
     join_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
+    path_reservation_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="After a round opens, a path stays reserved this long for the live island that trained it last",
+    )
     db_pool_size: int = Field(default=20, ge=1, description="Database connections kept open per process")
     db_max_overflow: int = Field(default=20, ge=0, description="Extra connections per process under load")
     migrate_on_start: bool = Field(default=True, description="Run `alembic upgrade head` on start-up")

@@ -18,6 +18,8 @@ def test_cli_commands() -> None:
         "coordinator": ["serve"],
         "demo": [],
         "eval": [],
+        "export": [],
+        "generate": [],
         "island": ["join"],
         "registry": ["islands", "modules", "paths", "runs"],
         "router": ["corpus", "register", "shard"],

@@ -2,19 +2,21 @@
 
 A path is free in a round when it has neither an active nor a submitted lease for that round. An island is
 offered the path it trained last when that path is free (its inner optimizer state and cached weights are
-warm), else the free path with the lowest index. Expired leases free their path for the same round; the path's
+warm), else the free path with the lowest index that is not reserved for another live island (see `Affinity`).
+Expired leases free their path for the same round; the path's
 data cursor only advances when a contribution is accepted, so an expired lease gives its token range back.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, selectinload
 
 from coordinator.errors import Conflict, Forbidden, NotFound
-from coordinator.models import Lease, Module, Path, PathModule, Run, Shard
+from coordinator.models import Island, Lease, Module, Path, PathModule, Round, Run, Shard
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
 from coordinator.services.runs import tokens_per_lease
 from coordinator.timeutil import as_utc
@@ -34,17 +36,46 @@ def expire_stale_leases(session: Session, *, now: datetime) -> int:
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
-def _free_path(session: Session, run_id: int, round_: int, island_id: int) -> Path | None:
-    """The path this island trained last if it is free, else the free path with the lowest index."""
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """Keep paths with the island that trained them last (its AdamW state and caches are warm there).
+
+    For `reserve_s` seconds after a round opens, a free path whose last island is another live island (active,
+    heartbeated within `live_s`) is kept for that island; afterwards any island may take it, so a slow or silent
+    island delays a round by at most `reserve_s`. 0 disables the reservation (the preference stays).
+    """
+
+    reserve_s: float = 10.0
+    live_s: float = 30.0
+
+
+def _free_path(
+    session: Session, run_id: int, round_: int, island_id: int, *, now: datetime, affinity: Affinity
+) -> Path | None:
+    """The path this island trained last if it is free, else the free path with the lowest index that is not
+    reserved for another island."""
     busy = select(Lease.path_id).where(
         Lease.run_id == run_id, Lease.round == round_, Lease.status.in_(("active", "submitted"))
     )
     free = select(Path).where(Path.run_id == run_id, Path.id.not_in(busy))
     warm = session.scalar(free.where(Path.last_island_id == island_id).order_by(Path.index).limit(1))
-    return warm or session.scalar(free.order_by(Path.index).limit(1))
+    if warm is not None:
+        return warm
+    if affinity.reserve_s > 0:
+        opened = session.scalar(select(Round.opened_at).where(Round.run_id == run_id, Round.number == round_))
+        if opened is not None and now < as_utc(opened) + timedelta(seconds=affinity.reserve_s):
+            others = select(Island.id).where(
+                Island.id != island_id,
+                Island.status == "active",
+                Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s),
+            )
+            free = free.where(or_(Path.last_island_id.is_(None), Path.last_island_id.not_in(others)))
+    return session.scalar(free.order_by(Path.index).limit(1))
 
 
-def acquire_lease(session: Session, island_id: int, *, now: datetime) -> tuple[Lease | None, str]:
+def acquire_lease(
+    session: Session, island_id: int, *, now: datetime, affinity: Affinity = Affinity()
+) -> tuple[Lease | None, str]:
     """Issue a lease to an island, or return (None, reason) with reason `waiting` or `no-running-runs`.
 
     Call `expire_stale_leases` (and commit) first so that paths of expired leases are free again. Free paths are
@@ -56,14 +87,14 @@ def acquire_lease(session: Session, island_id: int, *, now: datetime) -> tuple[L
         session.rollback()
         return None, "no-running-runs"
     for run_id, round_ in running:
-        if _free_path(session, run_id, round_, island_id) is None:
+        if _free_path(session, run_id, round_, island_id, now=now, affinity=affinity) is None:
             continue
         run = session.scalar(
             select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
         )
         if run is None or run.status != "running":
             continue
-        path = _free_path(session, run.id, run.current_round, island_id)
+        path = _free_path(session, run.id, run.current_round, island_id, now=now, affinity=affinity)
         if path is None:
             continue
         lease = _issue(session, run, path, island_id, now=now)

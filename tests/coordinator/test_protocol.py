@@ -286,3 +286,28 @@ def test_metrics_count_rounds_contributions_and_rejections(client: TestClient) -
     r = client.post(f"/v1/leases/{lb['lease_id']}/outer-gradients", content=b"x", headers={"X-Dipaco-Tokens": "1"})
     assert r.status_code == 401
     assert 'dipaco_contributions_total{result="unauthorized"} 1.0' in client.get("/metrics").text
+
+
+def test_paths_stay_with_their_island_across_rounds(client: TestClient, clock: FakeClock) -> None:
+    create_running_run(client)
+    a_id, ah = join(client, "a")
+    b_id, bh = join(client, "b")
+    owner = {}
+    for island_id, h in [(a_id, ah), (b_id, bh), (a_id, ah), (b_id, bh)]:
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        owner[lb["path_index"]] = island_id
+        upload(client, lb, h, train_lease(client, lb, h))
+    assert owner == {0: a_id, 1: b_id, 2: a_id, 3: b_id}
+    # round 1: a is fast; it gets its own two paths back, then b's paths are kept for b ...
+    got = [lease(client, a_id, ah) for _ in range(2)]
+    assert [g["path_index"] for g in got if g] == [0, 2]
+    assert lease(client, a_id, ah) is None
+    b_first = lease(client, b_id, bh)
+    assert b_first is not None and b_first["path_index"] == 1
+    # ... until the reservation (10 s after the round opened) runs out
+    clock.advance(11)
+    client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah)
+    client.post(f"/v1/islands/{b_id}/heartbeat", headers=bh)
+    late = lease(client, a_id, ah)
+    assert late is not None and late["path_index"] == 3

@@ -74,7 +74,10 @@ def lease(island_id: int, session: SessionDep, state: StateDep, principal: Princ
     state.metrics.lease_expiries.inc(leases.expire_stale_leases(session, now=now))
     session.commit()
     state.metrics.rounds_applied.inc(rounds.apply_ready_rounds(session, state.blobs, now=now, faults=state.faults))
-    issued, reason = leases.acquire_lease(session, island_id, now=now)
+    affinity = leases.Affinity(
+        reserve_s=state.settings.path_reservation_s, live_s=3 * state.settings.heartbeat_interval_s
+    )
+    issued, reason = leases.acquire_lease(session, island_id, now=now, affinity=affinity)
     if issued is None:
         return Response(status_code=204, headers={H_IDLE: reason, "Retry-After": str(IDLE_RETRY_AFTER_S)})
     state.metrics.leases_issued.inc()

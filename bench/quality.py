@@ -1,0 +1,139 @@
+"""Issue 7 benchmark: does DiPaCo beat a dense model of its path size, and approach a ~4x larger one?
+
+All models are trained through the real service (coordinator subprocess on SQLite + blobs, one island
+subprocess per path) on the built-in corpus, at the same steps (= tokens) per path, and scored on held-out
+routed perplexity (first 32 tokens route and are never scored). Prints the per-round and final tables, the
+targets, the service-vs-simulator cross-check, and exits 1 when a target is missed (2 when the cross-check
+fails). See docs/QUALITY.md.
+
+    python bench/quality.py                                  # dense-S, 2x2, flat 4, dense-2w
+    python bench/quality.py --with-4x4 --reroute-every 32    # + DiPaCo 4x4, re-routing every 32 tokens
+    python bench/quality.py --routing product                # product k-means shards for the 2x2 / 4x4
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.console import Console
+
+from dipaco import quality_report as qr
+from dipaco.quality import (
+    QualitySettings,
+    cross_check,
+    prepare_corpus,
+    run_comparison,
+    standard_contenders,
+)
+from dipaco.service import LocalService
+
+console = Console(width=140)
+
+
+def main(
+    workdir: Annotated[Path, typer.Option(help="Corpus, shards, coordinator data, logs, results.")] = Path(
+        "/tmp/dipaco-bench-quality"
+    ),
+    flavour: Annotated[str, typer.Option(help="Path size S: model flavour (debug, small).")] = "debug",
+    rounds: Annotated[int, typer.Option(min=1)] = 8,
+    inner_steps: Annotated[int, typer.Option(min=1, help="H")] = 50,
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    lr: Annotated[float, typer.Option(help="Inner AdamW peak lr (1e-3 beat 3e-3 for every model)")] = 1e-3,
+    outer_lr: Annotated[float, typer.Option()] = 0.7,
+    outer_momentum: Annotated[float, typer.Option()] = 0.9,
+    docs_per_domain: Annotated[int, typer.Option(min=10)] = 400,
+    eval_docs: Annotated[int | None, typer.Option(help="Held-out documents scored (default: all)")] = None,
+    eval_every: Annotated[int, typer.Option(min=1, help="Score every N rounds (+ round 0 and the last)")] = 2,
+    routing: Annotated[str, typer.Option(help="flat or product (k-means per routed level)")] = "flat",
+    width_factor: Annotated[int, typer.Option(min=2, help="Wide dense: d_model x this")] = 2,
+    with_4x4: Annotated[bool, typer.Option(help="Also DiPaCo 4x4 (16 paths, 16 islands)")] = False,
+    reroute_every: Annotated[int | None, typer.Option(help="Also score the last round re-routing every W")] = None,
+    only: Annotated[str | None, typer.Option(help="Comma-separated model names to run (default: all)")] = None,
+    check: Annotated[str | None, typer.Option(help="Cross-check this model against modules.simulate")] = None,
+    max_islands: Annotated[int, typer.Option(min=1)] = 16,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    started = time.monotonic()
+    torch.manual_seed(seed)
+    settings = QualitySettings(
+        rounds=rounds,
+        inner_steps=inner_steps,
+        batch_size=batch_size,
+        lr=lr,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+        seed=seed,
+        routing=routing,
+        max_islands=max_islands,
+        eval_every=eval_every,
+        eval_docs=eval_docs,
+        reroute_every=reroute_every,
+    )
+    contenders = standard_contenders(flavour, width_factor=width_factor, with_4x4=with_4x4)
+    if only:
+        wanted = {n.strip() for n in only.split(",")}
+        contenders = [c for c in contenders if c.name in wanted]
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    corpus = workdir / "corpus"
+    manifest = prepare_corpus(corpus, docs_per_domain=docs_per_domain)
+    console.print(
+        f"corpus: {manifest['splits']['train']['documents']} train documents "
+        f"({manifest['splits']['train']['bytes'] / 1e6:.1f} MB), "
+        f"{manifest['splits']['heldout']['documents']} held-out; {settings}"
+    )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    service = LocalService(data_dir=workdir / f"coordinator-{stamp}", logs=workdir / f"logs-{stamp}")
+    checks = []
+    with service:
+        results = run_comparison(service, contenders, settings, corpus_dir=corpus, workdir=workdir, log=console.print)
+        if check:
+            contender = next(c for c in contenders if c.name == check)
+            result = qr.find(results, check)
+            assert result is not None
+            checks.append(cross_check(result, contender, settings, corpus_dir=corpus, workdir=workdir))
+    console.print(qr.rounds_table(results))
+    console.print(
+        qr.comparison_table(
+            results,
+            title=f"held-out routed perplexity, {flavour}, {rounds} rounds x "
+            f"H={inner_steps} x batch {batch_size} = {results[0].tokens_per_path:,} "
+            "tokens per path",
+        )
+    )
+    goals = qr.targets(results)
+    console.print(qr.targets_table(goals))
+    if checks:
+        console.print(qr.cross_check_table(checks))
+    png = qr.plot(results, workdir / f"quality-{stamp}.png", title=f"{flavour}, {rounds} x H={inner_steps}")
+    out = workdir / f"quality-{stamp}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "settings": {k: getattr(settings, k) for k in settings.__slots__},
+                "flavour": flavour,
+                "results": [r.to_dict() for r in results],
+                "targets": [{"name": t.name, "value": t.value, "goal": t.goal, "met": t.met} for t in goals],
+                "cross_check": [
+                    {"name": c.name, "service": c.service_ppl, "simulator": c.simulator_ppl, "rel_diff": c.rel_diff}
+                    for c in checks
+                ],
+            },
+            indent=2,
+        )
+    )
+    console.print(f"plot {png}\nnumbers {out}\nwall time {time.monotonic() - started:.0f} s")
+    if checks and not all(c.ok for c in checks):
+        sys.exit(2)
+    if not all(t.met for t in goals):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    typer.run(main)

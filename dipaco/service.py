@@ -1,0 +1,210 @@
+"""A real coordinator and real islands on this machine, as subprocesses: shared by `dipaco demo` and the quality
+driver (`dipaco.quality`).
+
+`LocalService` starts `dipaco coordinator serve` on a free port (SQLite + blob directory under its data dir)
+with fresh admin / join tokens, and `dipaco island join` processes on demand; every process logs to its own file
+and everything is stopped (SIGTERM, then SIGKILL after a timeout) by `stop()` / leaving the `with` block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 60.0
+"""How long a fresh coordinator may take to answer /healthz (imports torch, runs migrations)."""
+STOP_TIMEOUT_S = 15.0
+"""SIGTERM grace period before a process is killed."""
+CLIENT_TIMEOUT_S = 60.0
+"""One admin request (a shard upload of a few MB at most here)."""
+
+
+class ServiceError(RuntimeError):
+    """A process of the local service failed to start, exited early, or a run did not finish."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a log file ('' when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def stop_process(proc: subprocess.Popen[bytes], name: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM, wait, then SIGKILL; a process that already exited is left alone."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("%s did not stop within %.0f s; killing it", name, timeout_s)
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class LocalService:
+    """One coordinator subprocess (SQLite + blobs in `data_dir`) and the island subprocesses started on it."""
+
+    data_dir: Path
+    logs: Path
+    threads_per_process: int = 1
+    """OMP/torch threads of every subprocess (one per island keeps N islands on N cores from oversubscribing)."""
+    admin_token: str = field(default_factory=lambda: f"admin_{secrets.token_urlsafe(24)}")
+    join_token: str = field(default_factory=lambda: f"join_{secrets.token_urlsafe(24)}")
+    port: int = field(default_factory=free_port)
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    _client: httpx.Client | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "DIPACO_ADMIN_TOKEN": self.admin_token,
+            "DIPACO_JOIN_TOKEN": self.join_token,
+            "OMP_NUM_THREADS": str(self.threads_per_process),
+        }
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with (self.logs / f"{name}.log").open("ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dipaco", *args], stdout=out, stderr=subprocess.STDOUT, env=self.env()
+            )
+        self.procs.append((name, proc))
+        return proc
+
+    def start(self) -> LocalService:
+        """Start the coordinator and wait until it answers /healthz."""
+        coord = self._spawn(
+            "coordinator",
+            ["coordinator", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir),
+             "--log-level", "warning"],
+        )
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if coord.poll() is not None:
+                raise ServiceError(
+                    f"coordinator exited with {coord.returncode}; see {self.logs / 'coordinator.log'}:\n"
+                    f"{tail(self.logs / 'coordinator.log')}"
+                )
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise ServiceError(f"coordinator did not answer /healthz within {HEALTH_TIMEOUT_S:.0f} s")
+
+    @property
+    def client(self) -> httpx.Client:
+        """The admin client (one per service, base URL and bearer token set)."""
+        if self._client is None:
+            self._client = httpx.Client(
+                base_url=self.url, timeout=CLIENT_TIMEOUT_S, headers={"Authorization": f"Bearer {self.admin_token}"}
+            )
+        return self._client
+
+    def start_islands(self, count: int, *, prefix: str = "island", cache_root: Path) -> list[str]:
+        """Start `count` islands (`dipaco island join --quiet` on CPU); returns their names."""
+        names = []
+        for i in range(count):
+            name = f"{prefix}-{i}"
+            self._spawn(
+                name,
+                ["island", "join", "--coordinator", self.url, "--token", self.join_token, "--name", name,
+                 "--site", "local", "--cache-dir", str(cache_root / name), "--device", "cpu", "--quiet"],
+            )
+            names.append(name)
+        return names
+
+    def islands(self) -> list[tuple[str, subprocess.Popen[bytes]]]:
+        return [(n, p) for n, p in self.procs if n != "coordinator"]
+
+    def stop_islands(self, *, wait_s: float = 30.0) -> None:
+        """Give the islands `wait_s` in all to exit by themselves (they do once their run finished), then stop
+        the rest; forget them. `wait_s=0` stops them at once (error paths)."""
+        deadline = time.monotonic() + wait_s
+        for name, proc in self.islands():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stop_process(proc, name)
+        self.procs = [(n, p) for n, p in self.procs if n == "coordinator"]
+
+    def create_run(self, spec: dict[str, Any]) -> dict[str, Any]:
+        r = self.client.post("/v1/runs", json=spec)
+        if r.status_code != 201:
+            raise ServiceError(f"creating run {spec.get('name')!r} failed: HTTP {r.status_code} {r.text}")
+        run: dict[str, Any] = r.json()
+        return run
+
+    def wait_finished(self, run_id: int, *, poll_s: float = 0.5, on_poll: Any = None) -> dict[str, Any]:
+        """Poll until the run is finished; `on_poll(run)` is called on every poll (progress printing)."""
+        while True:
+            run: dict[str, Any] = self.client.get(f"/v1/runs/{run_id}").json()
+            if on_poll is not None:
+                on_poll(run)
+            if run["status"] == "finished":
+                return run
+            if not any(p.poll() is None for _, p in self.islands()):
+                raise ServiceError(f"every island exited before run {run_id} finished; see the logs in {self.logs}")
+            time.sleep(poll_s)
+
+    def wait_islands_joined(self, names: list[str], *, timeout_s: float | None = None) -> None:
+        """Wait until every island in `names` is registered and active (default timeout: 60 s + 15 s per island:
+        each one imports torch and runs its probe, 16 of them on 2 cores take minutes)."""
+        timeout_s = HEALTH_TIMEOUT_S + 15.0 * len(names) if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            page = self.client.get("/v1/islands", params={"status": "active", "limit": 1000}).json()
+            if set(names) <= {i["name"] for i in page["data"]}:
+                return
+            if time.monotonic() > deadline:
+                raise ServiceError(f"islands {names} did not all join within {timeout_s:.0f} s; see {self.logs}")
+            if not any(p.poll() is None for _, p in self.islands()):
+                raise ServiceError(f"every island exited before joining; see the logs in {self.logs}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        for name, proc in reversed(self.procs):
+            stop_process(proc, name)
+
+    def log_tails(self) -> dict[str, str]:
+        return {name: tail(self.logs / f"{name}.log") for name, _ in self.procs}
+
+    def __enter__(self) -> LocalService:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

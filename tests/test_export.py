@@ -1,0 +1,144 @@
+"""`dipaco export` / `dipaco generate`: a path exported from a real coordinator app loads and samples without it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from coordinator.app import create_app
+from coordinator.settings import Settings
+from dipaco import export
+from dipaco.cli import app
+from dipaco.export import ExportError, export_path, generate, load_exported
+from modules import ModelConfig, build_path, decode, init_state
+from router.corpus import build_local_corpus
+from router.shards import shard_corpus
+from tests.conftest import ADMIN, JOIN
+from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
+
+RUN: dict[str, Any] = {"model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2, "n_layers": 2}}
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[TestClient]:
+    settings = Settings(data_dir=tmp_path / "coord", database_url=f"sqlite:///{tmp_path / 'c.db'}",
+                        admin_token=ADMIN, join_token=JOIN)  # type: ignore[arg-type]
+    with TestClient(create_app(settings)) as client:
+        client.headers.update(A)
+        yield client
+
+
+def _train_one_round(client: TestClient) -> dict[str, Any]:
+    """A running 2x2 run with round 0 applied (every path trained by the helpers' fake island)."""
+    run = create_running_run(client, **RUN)
+    island, headers = join(client)
+    for _ in range(run["num_paths"]):
+        body = lease(client, island, headers)
+        assert body is not None
+        assert upload(client, body, headers, train_lease(client, body, headers)).status_code == 200
+    run = client.get(f"/v1/runs/{run['id']}").json()
+    assert run["current_round"] == 1
+    return dict(run)
+
+
+def _path_weights(client: TestClient, run_id: int, path_index: int) -> dict[str, torch.Tensor]:
+    path = client.get("/v1/paths", params={"run_id": run_id}).json()["data"][path_index]
+    state: dict[str, torch.Tensor] = {}
+    for mid in path["module_ids"]:
+        state.update(decode(client.get(f"/v1/modules/{mid}/weights").content))
+    return state
+
+
+def test_export_loads_without_the_coordinator(coordinator: TestClient, tmp_path: Path) -> None:
+    run = _train_one_round(coordinator)
+    out = tmp_path / "export"
+    provenance = export_path(coordinator, run_id=run["id"], path_index=2, out_dir=out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [m["version"] for m in provenance["modules"]] == [1, 1, 1, 1] and provenance["path_index"] == 2
+    expected = _path_weights(coordinator, run["id"], 2)
+    coordinator.close()  # nothing below talks to the coordinator
+
+    model = load_exported(out)
+    cfg = ModelConfig.from_dict(json.loads((out / "config.json").read_text()))
+    assert model.cfg == cfg == ModelConfig.from_dict(run["config"]["model"])
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        meta = json.loads(fh.metadata()["dipaco"])
+    assert meta["run_id"] == run["id"] and meta["layout"] == run["layout"]
+    # The same logits as the path composed from the module blobs.
+    x = torch.randint(0, 256, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    ref = build_path(cfg, [expected]).eval()
+    assert torch.equal(model(x), ref(x))
+
+
+def test_export_errors(coordinator: TestClient, tmp_path: Path) -> None:
+    run = create_running_run(coordinator, **RUN)
+    with pytest.raises(ExportError, match="has 4 path\\(s\\); path 7 does not exist"):
+        export_path(coordinator, run_id=run["id"], path_index=7, out_dir=tmp_path / "x")
+    with pytest.raises(ExportError, match="no export in"):
+        load_exported(tmp_path / "nothing")
+
+
+def test_generate_is_deterministic_per_seed() -> None:
+    cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1)
+    torch.manual_seed(0)
+    model = build_path(cfg, [init_state(cfg, seed=1)])
+    prompt = list(b"def main():")
+    a = generate(model, prompt, max_new_tokens=40, temperature=1.0, seed=3, stop_at_eos=False)
+    b = generate(model, prompt, max_new_tokens=40, temperature=1.0, seed=3, stop_at_eos=False)
+    c = generate(model, prompt, max_new_tokens=40, temperature=1.0, seed=4, stop_at_eos=False)
+    assert a == b and a != c and len(a) == 40  # longer than seq_len: the context window slides
+    greedy = generate(model, prompt, max_new_tokens=5, temperature=0.0, seed=0, stop_at_eos=False)
+    assert greedy == generate(model, prompt, max_new_tokens=5, temperature=0.0, seed=99, stop_at_eos=False)
+    assert greedy[0] == int(model(torch.tensor([prompt]))[0, -1].argmax())
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, prompt, max_new_tokens=1, temperature=-1)
+
+
+def test_export_and_generate_commands(coordinator: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                      ) -> None:
+    run = _train_one_round(coordinator)
+
+    @contextmanager
+    def fake_client(url: str, token: str) -> Iterator[httpx.Client]:
+        assert (url, token) == ("http://coord", "t0k")
+        yield coordinator
+
+    monkeypatch.setattr(export, "_client", fake_client)
+    out = tmp_path / "exp"
+    args = ["export", "--coordinator", "http://coord", "--run", str(run["id"]), "--path", "1", "--out", str(out),
+            "--token", "t0k"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "exported run" in result.output and (out / "config.json").is_file()
+
+    gen = ["generate", "--from", str(out), "--prompt", "int main", "--max-new-tokens", "12", "--seed", "5"]
+    first, second = CliRunner().invoke(app, gen), CliRunner().invoke(app, gen)
+    assert first.exit_code == 0, first.output
+    assert first.output == second.output and "int main" in first.output
+
+    # With routing: a 4-path router over a tiny local corpus; the prompt's prefix picks the path.
+    build_local_corpus(tmp_path / "corpus", max_docs_per_domain=12)
+    shard_corpus(tmp_path / "corpus", tmp_path / "shards", num_paths=4)
+    routed = ["generate", "--coordinator", "http://coord", "--run", str(run["id"]), "--router",
+              str(tmp_path / "shards"), "--prompt", "#include <stdio.h>", "--max-new-tokens", "8", "--token", "t0k"]
+    result = CliRunner().invoke(app, routed)
+    assert result.exit_code == 0, result.output
+    assert "routed by the prompt" in result.output
+
+    bad = CliRunner().invoke(app, ["generate", "--prompt", "x"])
+    assert bad.exit_code == 1 and "give --from DIR" in bad.output
+    bad = CliRunner().invoke(app, [a if a != "1" else "9" for a in args])
+    assert bad.exit_code == 1 and "does not exist" in bad.output
+
