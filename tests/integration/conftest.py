@@ -147,6 +147,19 @@ class Cluster:
                 proc.wait()
 
 
+FULL_MATRIX = os.environ.get("DIPACO_FULL_MATRIX") == "1"
+"""Island-behaviour tests run on SQLite only unless DIPACO_FULL_MATRIX=1: what they test does not depend on the
+database, and the coordinator's own tests (crash, replicas, protocol) cover PostgreSQL."""
+ISLAND_DB_PARAMS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)] if FULL_MATRIX else ["sqlite"]
+
+
+def island_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'registry.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url
+
+
 @pytest.fixture
 def cluster(tmp_path: Path, database_url: str) -> Iterator[Cluster]:
     c = Cluster(tmp=tmp_path, database_url=database_url)

@@ -14,15 +14,23 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, select
 
 from coordinator.db import make_engine
 from coordinator.models import Island, Lease
-from tests.integration.conftest import Cluster, create_run, wait_finished
+from tests.integration.conftest import ISLAND_DB_PARAMS, Cluster, create_run, island_database_url, wait_finished
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(params=ISLAND_DB_PARAMS)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """SQLite only unless DIPACO_FULL_MATRIX=1 (see tests/integration/conftest.py)."""
+    return island_database_url(request, tmp_path)
+
 
 ONE_PATH = {
     "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},

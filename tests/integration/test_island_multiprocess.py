@@ -4,11 +4,20 @@ run to the end against a real coordinator. Numerical equality with one process: 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.integration.conftest import Cluster, create_run, wait_finished
+from tests.integration.conftest import ISLAND_DB_PARAMS, Cluster, create_run, island_database_url, wait_finished
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(params=ISLAND_DB_PARAMS)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """SQLite only unless DIPACO_FULL_MATRIX=1 (see tests/integration/conftest.py)."""
+    return island_database_url(request, tmp_path)
+
 
 SPEC = {
     "name": "nproc",
