@@ -129,7 +129,7 @@ class LocalBlobStore:
                 pass
             verified.add(digest)
         # memory-mapped: only the tensors asked for are read
-        with safe_open(str(self.path(digest)), framework="pt") as f:  # type: ignore[no-untyped-call]
+        with safe_open(str(self.path(digest)), framework="pt") as f:
             return {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
 
     def _publish(self, tmp_name: str, digest: str) -> None:

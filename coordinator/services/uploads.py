@@ -153,7 +153,10 @@ def _validated_payload(body: FilePath, run: Run, modules: dict[int, Module]) -> 
         raise Invalid(f"outer-gradient payload is missing {len(missing)} tensor(s), e.g. {missing[0]!r}")
     data_end = 0
     for name, info in header.items():
-        dtype, shape = info.get("dtype"), tuple(info.get("shape", ()))  # type: ignore[call-overload]
+        raw_shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(raw_shape, list) or not all(isinstance(d, int) for d in raw_shape):
+            raise Invalid(f"tensor {name!r} has no valid shape in the safetensors header")
+        dtype, shape = info.get("dtype"), tuple(raw_shape)
         if dtype != "F32":
             raise Invalid(f"tensor {name!r} has dtype {dtype}, expected F32")
         if shape != expected[name][1]:
@@ -168,7 +171,7 @@ def _validated_payload(body: FilePath, run: Run, modules: dict[int, Module]) -> 
             f"the header describes {8 + n + data_end}"
         )
     try:
-        with safe_open(str(body), framework="pt") as f:  # type: ignore[no-untyped-call]
+        with safe_open(str(body), framework="pt") as f:
             for name in header:
                 tensor = f.get_tensor(name)
                 # A NaN/Inf anywhere makes the sum non-finite; only then count exactly (overflowing finite sums too).

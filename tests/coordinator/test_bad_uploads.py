@@ -44,9 +44,13 @@ def snapshot(settings: Settings) -> tuple[Any, ...]:
     return counts, leases, paths, tuple(blobs)
 
 
-def _with_header(header: dict[str, Any], data: bytes = b"") -> bytes:
+def _reshaped_header(payload: bytes, name: str, shape: Any) -> bytes:
+    """The same payload with one tensor's header `shape` replaced (tensor data untouched)."""
+    (n,) = struct.unpack("<Q", payload[:8])
+    header = json.loads(payload[8 : 8 + n])
+    header[name]["shape"] = shape
     raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + data
+    return struct.pack("<Q", len(raw)) + raw + payload[8 + n :]
 
 
 def test_bad_payloads_are_refused_and_change_nothing(client: TestClient, settings: Settings) -> None:
@@ -75,6 +79,13 @@ def test_bad_payloads_are_refused_and_change_nothing(client: TestClient, setting
         ("truncated", full[: len(full) // 2], h, 422, "outer-gradient payload: invalid safetensors payload"),
         ("garbage header", b"\x05\x00\x00\x00\x00\x00\x00\x00nope!", h, 422, "safetensors header is not valid JSON"),
         ("header too long", struct.pack("<Q", 10**9) + b"{}", h, 422, "safetensors header claims"),
+        (
+            "shape not a list",
+            _reshaped_header(full, name, 3),
+            h,
+            422,
+            f"tensor {name!r} has no valid shape",
+        ),
         ("unknown tensor", renamed(), h, 422, "unknown tensor 'embed/not_a_param' in outer-gradient payload"),
         ("missing tensor", {k: v for k, v in good.items() if k != name}, h, 422, "is missing 1 tensor(s)"),
         ("wrong shape", {**good, name: good[name].flatten()[:-1]}, h, 422, f"tensor {name!r} has shape"),
