@@ -66,6 +66,14 @@ def join(
     seed_offset: Annotated[
         int, typer.Option(envvar="DIPACO_ISLAND_SEED_OFFSET", help="Added to each lease's seed.")
     ] = 0,
+    optimizer_cache: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            envvar="DIPACO_ISLAND_OPTIMIZER_CACHE",
+            help="Paths whose inner AdamW state is kept across rounds (single-process islands).",
+        ),
+    ] = 4,
     nproc: Annotated[
         int,
         typer.Option(
@@ -104,6 +112,7 @@ def join(
             give_up_after_s=give_up_after,
             max_backoff_s=max_backoff,
             seed_offset=seed_offset,
+            optimizer_cache=optimizer_cache,
             probe=probe,
             quiet=quiet,
         )

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,9 @@ class IslandConfig:
     """Measure tokens/s with a few debug-model steps (< 1 s) before joining, for the capabilities."""
     seed_offset: int = 0
     """Added to each lease's seed before seeding torch, so islands can differ when they need to."""
+    optimizer_cache: int = 4
+    """Paths whose inner AdamW state a single-process island keeps (DiLoCo keeps inner state across rounds; an
+    island that trains several paths per round resumes each). Multi-process islands keep the last one only."""
     quiet: bool = False
     """No progress bar (log lines only)."""
     handle_signals: bool = True
@@ -110,6 +114,8 @@ class IslandConfig:
             raise ValueError(f"max_rounds must be >= 1 or None, got {self.max_rounds}")
         if self.give_up_after_s < 0:
             raise ValueError(f"give_up_after_s must be >= 0, got {self.give_up_after_s}")
+        if self.optimizer_cache < 1:
+            raise ValueError(f"optimizer_cache must be >= 1, got {self.optimizer_cache}")
         if not self.max_backoff_s > 0:
             raise ValueError(f"max_backoff_s must be > 0, got {self.max_backoff_s}")
         self.cache_dir = Path(self.cache_dir).expanduser()
@@ -189,6 +195,8 @@ class Island:
         self._opt_key: tuple[int, int] | None = None
         self._opt_state: dict[str, Any] | None = None
         """AdamW state after the last accepted lease, kept for the next lease of the same (run, path)."""
+        self._opt_states: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
+        """Single-process islands: AdamW state per (run, path), least recently trained first."""
         self._opt_lease: int | None = None
         """The lease `_opt_state` belongs to (multi-process islands: followers keep their own copy)."""
         self._leader: Leader | None = None
@@ -360,9 +368,13 @@ class Island:
             raise IslandError(f"{where}: module weights do not compose a path: {exc}") from exc
         optimizer = make_optimizer(model, inner)
         key = (lease.run_id, lease.path_id)
-        resume = self._opt_key == key and self._opt_state is not None
-        if resume:
-            optimizer.load_state_dict(_cpu_copy(self._opt_state))
+        if self._leader is None:
+            saved = self._opt_states.get(key)
+        else:  # followers hold the state of the last accepted lease only
+            saved = self._opt_state if self._opt_key == key else None
+        resume = saved is not None
+        if saved is not None:
+            optimizer.load_state_dict(_cpu_copy(saved))
         torch.manual_seed(lease.seed + self.config.seed_offset)
         batches = batches_from_tokens(
             tokens, batch_size=inner.batch_size, seq_len=model_cfg.seq_len, steps=lease.inner_steps
@@ -401,6 +413,11 @@ class Island:
         # The inner state is kept only once the coordinator has accepted the work it belongs to.
         self._opt_key, self._opt_state = key, _cpu_copy(optimizer.state_dict())
         self._opt_lease = lease.lease_id
+        if self._leader is None:
+            self._opt_states[key] = self._opt_state
+            self._opt_states.move_to_end(key)
+            while len(self._opt_states) > self.config.optimizer_cache:
+                self._opt_states.popitem(last=False)
         log.info(
             "round %d path %d: loss %.4f→%.4f, %.0f tok/s, upload %.2f MB%s",
             lease.round,

@@ -52,7 +52,7 @@ def make_island(fake: FakeCoordinator, tmp_path: Path, **overrides: Any) -> Isla
 def replay(fake: FakeCoordinator, lease_ids: list[int], *, keep_state: bool = True) -> dict[int, dict[str, Any]]:
     """Recompute the outer gradients of accepted leases from scratch, the way the island should."""
     out: dict[int, dict[str, Any]] = {}
-    saved: tuple[tuple[int, int], dict[str, Any]] | None = None
+    saved: dict[tuple[int, int], dict[str, Any]] = {}
     for lease_id in lease_ids:
         lease = LeasePublic.model_validate(fake.leases[lease_id])
         cfg = ModelConfig.from_dict(lease.model)
@@ -61,8 +61,8 @@ def replay(fake: FakeCoordinator, lease_ids: list[int], *, keep_state: bool = Tr
         model = build_path(cfg, base)
         optimizer = make_optimizer(model, inner)
         key = (lease.run_id, lease.path_id)
-        if keep_state and saved is not None and saved[0] == key:
-            optimizer.load_state_dict(copy.deepcopy(saved[1]))
+        if keep_state and key in saved:
+            optimizer.load_state_dict(copy.deepcopy(saved[key]))
         torch.manual_seed(lease.seed)
         shard = np.frombuffer(fake.blobs[lease.shard.tokens_hash], dtype="<u2")
         tokens = torch.from_numpy(shard[lease.token_start : lease.token_end].astype("int64"))
@@ -74,7 +74,7 @@ def replay(fake: FakeCoordinator, lease_ids: list[int], *, keep_state: bool = Tr
             g = pseudo_gradient(weights, {n: trained[n] for n in weights})
             grads.update({f"{module.level_name}{GRAD_KEY_SEP}{n}": t for n, t in g.items()})
         out[lease_id] = grads
-        saved = (key, copy.deepcopy(optimizer.state_dict()))
+        saved[key] = copy.deepcopy(optimizer.state_dict())
     return out
 
 
@@ -120,6 +120,20 @@ def test_run_uploads_outer_gradients_equal_to_a_replay(
         f"round 0 path {plan[0]}: loss" in r.getMessage() and "tok/s, upload" in r.getMessage() for r in caplog.records
     )
     assert "round 1 path" in out.getvalue()  # the progress bar was drawn
+
+
+def test_inner_state_is_kept_per_path_when_an_island_alternates(tmp_path: Path) -> None:
+    fake = FakeCoordinator(plan=[0, 3, 0])
+    island = make_island(fake, tmp_path)
+    assert island.run() == EXIT_OK
+    assert [u.lease_id for u in fake.uploads] == [1, 2, 3]
+    replayed = replay(fake, [1, 2, 3])
+    third = decode(fake.uploads[2].body)
+    for name, t in third.items():
+        torch.testing.assert_close(t, replayed[3][name], rtol=1e-5, atol=1e-7)
+    # path 0's AdamW state came back after a lease on path 3: not the same as a fresh optimizer
+    fresh = replay(fake, [3], keep_state=False)[3]
+    assert not all(torch.allclose(third[n], fresh[n], rtol=1e-5, atol=1e-7) for n in fresh)
 
 
 def test_409_on_upload_discards_the_lease_and_asks_for_new_work(tmp_path: Path) -> None:
