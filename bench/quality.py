@@ -53,6 +53,9 @@ def main(
     routing: Annotated[str, typer.Option(help="flat or product (k-means per routed level)")] = "flat",
     width_factor: Annotated[int, typer.Option(min=2, help="Wide dense: d_model x this")] = 2,
     with_4x4: Annotated[bool, typer.Option(help="Also DiPaCo 4x4 (16 paths, 16 islands)")] = False,
+    with_token_reference: Annotated[
+        bool, typer.Option(help="Also the wide dense model trained on 4x the tokens (the 2x2's total), for reference")
+    ] = False,
     reroute_every: Annotated[int | None, typer.Option(help="Also score the last round re-routing every W")] = None,
     only: Annotated[str | None, typer.Option(help="Comma-separated model names to run (default: all)")] = None,
     check: Annotated[str | None, typer.Option(help="Cross-check this model against modules.simulate")] = None,
@@ -75,7 +78,9 @@ def main(
         eval_docs=eval_docs,
         reroute_every=reroute_every,
     )
-    contenders = standard_contenders(flavour, width_factor=width_factor, with_4x4=with_4x4)
+    contenders = standard_contenders(
+        flavour, width_factor=width_factor, with_4x4=with_4x4, with_token_reference=with_token_reference
+    )
     if only:
         wanted = {n.strip() for n in only.split(",")}
         contenders = [c for c in contenders if c.name in wanted]

@@ -67,6 +67,8 @@ class Contender:
     """Layout string (see `modules.layout`)."""
     levels: tuple[int, ...] = ()
     """Routed levels (K per level); () for a dense model. Their product is the number of paths."""
+    token_factor: int = 1
+    """Inner steps per round x this: a reference that sees as many tokens as all paths of a modular model."""
 
     @property
     def num_paths(self) -> int:
@@ -110,7 +112,7 @@ def dense_layout(n_layers: int) -> str:
 
 
 def standard_contenders(
-    flavour_name: str = "debug", *, width_factor: int = 2, with_4x4: bool = False
+    flavour_name: str = "debug", *, width_factor: int = 2, with_4x4: bool = False, with_token_reference: bool = False
 ) -> list[Contender]:
     """dense-S (one path of size S), DiPaCo 2x2, flat 4 experts, dense with ~4x S params (d_model x width_factor);
     optionally DiPaCo 4x4. The blocks are split evenly between the two routed levels of a grid."""
@@ -128,6 +130,11 @@ def standard_contenders(
     ]
     if with_4x4:
         out.append(Contender(name="DiPaCo 4x4", model=base, layout=grid.format(k=4), levels=(4, 4)))
+    if with_token_reference:
+        # for reference: the wide dense model on as many tokens as the 4 paths of the 2x2 see together
+        wide = {**base, "d_model": cfg.d_model * width_factor}
+        name = f"dense-{width_factor}w, 4x tokens"
+        out.append(Contender(name=name, model=wide, layout=dense_layout(n), token_factor=4))
     return out
 
 
@@ -286,8 +293,9 @@ def run_spec(contender: Contender, settings: QualitySettings, *, name: str) -> d
         "layout": contender.layout,
         "inner": {"batch_size": settings.batch_size, "lr": settings.lr,
                   "warmup_steps": min(settings.warmup_steps, settings.inner_steps * settings.rounds)},
+        # (warmup stays the same number of steps for a token_factor reference)
         "outer": {"lr": settings.outer_lr, "momentum": settings.outer_momentum},
-        "inner_steps": settings.inner_steps,
+        "inner_steps": settings.inner_steps * contender.token_factor,
         "num_rounds": settings.rounds,
         "seed": settings.seed,
         "lease_ttl_s": 120,
@@ -449,8 +457,10 @@ def measure(
     result = ModelResult(
         name=contender.name, layout=contender.layout, num_paths=contender.num_paths,
         path_params=contender.path_params(), total_params=contender.total_params(),
-        steps_per_path=settings.rounds * settings.inner_steps,
-        tokens_per_path=settings.rounds * settings.inner_steps * settings.batch_size * cfg.seq_len,
+        steps_per_path=settings.rounds * settings.inner_steps * contender.token_factor,
+        tokens_per_path=(
+            settings.rounds * settings.inner_steps * contender.token_factor * settings.batch_size * cfg.seq_len
+        ),
         rounds=rounds, halves=per_round, run_id=run_id,
         train_loss=[sum(row.values()) / len(row) for _, row in sorted(losses.items())],
         purity=load_manifest(shards_dir).get("purity") if contender.num_paths > 1 else None,
