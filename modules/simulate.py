@@ -22,6 +22,12 @@ Rounds (r = 0 .. rounds-1); inside a round paths run in index order, all from th
     After every path has trained, each module runs `outer_update` over the paths that use it, in path
     order, with `path_weights[p]` as the weight (uniform 1.0 by default; use `alpha_weights` for §2.7).
     Every module of the layout is used by at least one path, so every module steps every round.
+
+Replicas (`replicas=R`, DiLoCo's data-parallel workers)
+    Each path is trained by R workers per round; worker j of path p uses `tokens[p * R + j]`, its own model and
+    AdamW, and seed `seed + p * R + j`. Each worker's outer gradient is one contribution (weight `path_weights[p]`).
+    With a layout whose levels are all shared (one path) and R workers this is exactly DiLoCo (arXiv 2311.08105,
+    Alg. 1). With R = 1 (the default) everything above is unchanged.
 """
 
 from __future__ import annotations
@@ -71,11 +77,20 @@ def simulate(
     seed: int,
     tokens: Sequence[torch.Tensor],
     path_weights: Sequence[float] | None = None,
+    replicas: int = 1,
 ) -> SimulationResult:
-    """Run `rounds` DiPaCo rounds of H = `steps_per_round` inner steps; `tokens[p]` is path p's shard."""
+    """Run `rounds` DiPaCo rounds of H = `steps_per_round` inner steps; `tokens[p * replicas + j]` is the shard of
+    worker j of path p (with one replica: `tokens[p]` is path p's shard)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
     num_paths = layout.num_paths
-    if len(tokens) != num_paths:
+    workers = num_paths * replicas
+    if replicas == 1 and len(tokens) != num_paths:
         raise ValueError(f"need one token array per path: layout has {num_paths} paths, got {len(tokens)}")
+    if len(tokens) != workers:
+        raise ValueError(
+            f"need one token array per worker: {num_paths} paths x {replicas} replicas = {workers}, got {len(tokens)}"
+        )
     if steps_per_round < 1 or rounds < 0:
         raise ValueError(f"steps_per_round must be >= 1 and rounds >= 0, got {steps_per_round}, {rounds}")
     weights = [1.0] * num_paths if path_weights is None else [float(w) for w in path_weights]
@@ -88,38 +103,45 @@ def simulate(
         for lv in range(len(layout.levels))
     ]
     momentum: list[list[Tensors | None]] = [[None] * len(mods) for mods in modules]
-    choice = [layout.path_modules(p) for p in range(num_paths)]
-    models = [PathModel(cfg) for _ in range(num_paths)]
+    # worker w trains path w // replicas
+    choice = [layout.path_modules(w // replicas) for w in range(workers)]
+    models = [PathModel(cfg) for _ in range(workers)]
     optimizers = [make_optimizer(m, inner) for m in models]
-    offsets = [0] * num_paths
+    offsets = [0] * workers
     losses: list[list[float]] = []
 
     for r in range(rounds):
-        round_losses: list[float] = []
-        grads: list[list[Tensors]] = []  # grads[p][level]
-        for p in range(num_paths):
+        worker_losses: list[float] = []
+        grads: list[list[Tensors]] = []  # grads[worker][level]
+        for p in range(workers):
             base = [modules[lv][m] for lv, m in enumerate(choice[p])]
             models[p].load_state_dict(compose_state(base), strict=True)  # copies into the same parameters
             start, offsets[p] = next_range(
-                offsets[p], length=tokens[p].numel(), steps=steps_per_round,
-                batch_size=inner.batch_size, seq_len=cfg.seq_len,
+                offsets[p],
+                length=tokens[p].numel(),
+                steps=steps_per_round,
+                batch_size=inner.batch_size,
+                seq_len=cfg.seq_len,
             )
             batches = batches_from_tokens(
                 tokens[p][start : start + steps_per_round * inner.batch_size * cfg.seq_len + 1],
-                batch_size=inner.batch_size, seq_len=cfg.seq_len, steps=steps_per_round,
+                batch_size=inner.batch_size,
+                seq_len=cfg.seq_len,
+                steps=steps_per_round,
             )
             torch.manual_seed(seed + p)
             first = r * steps_per_round
             step_losses = train_steps(models[p], optimizers[p], batches, inner, first_step=first)
-            round_losses.append(sum(step_losses) / len(step_losses))
+            worker_losses.append(sum(step_losses) / len(step_losses))
             trained = split_state({n: t.detach().clone() for n, t in models[p].state_dict().items()}, layout)
             grads.append([pseudo_gradient(base[lv], trained[lv]) for lv in range(len(base))])
         for lv, mods in enumerate(modules):
             for m in range(len(mods)):
-                users = [p for p in range(num_paths) if choice[p][lv] == m]
-                contributions = [grads[p][lv] for p in users]
+                users = [w for w in range(workers) if choice[w][lv] == m]
+                contributions = [grads[w][lv] for w in users]
                 mods[m], momentum[lv][m] = outer_update(
-                    mods[m], contributions, [weights[p] for p in users], momentum[lv][m], outer
+                    mods[m], contributions, [weights[w // replicas] for w in users], momentum[lv][m], outer
                 )
-        losses.append(round_losses)
+        # a path's loss is the mean over its workers
+        losses.append([sum(worker_losses[p * replicas : (p + 1) * replicas]) / replicas for p in range(num_paths)])
     return SimulationResult(losses=losses, modules=modules, momentum=momentum)

@@ -53,11 +53,19 @@ def test_simulate_argument_checks() -> None:
     with pytest.raises(ValueError, match="layout has 2 paths, got 1"):
         simulate(CFG, layout, INNER, OuterConfig(), steps_per_round=H, rounds=1, seed=0, tokens=[shard(0, 200)])
     with pytest.raises(ValueError, match="2 paths, got 3"):
-        simulate(CFG, layout, INNER, OuterConfig(), steps_per_round=H, rounds=1, seed=0,
-                 tokens=[shard(0, 200)] * 2, path_weights=[1, 1, 1])
+        simulate(
+            CFG,
+            layout,
+            INNER,
+            OuterConfig(),
+            steps_per_round=H,
+            rounds=1,
+            seed=0,
+            tokens=[shard(0, 200)] * 2,
+            path_weights=[1, 1, 1],
+        )
     with pytest.raises(ValueError, match="steps_per_round must be >= 1"):
-        simulate(CFG, layout, INNER, OuterConfig(), steps_per_round=0, rounds=1, seed=0,
-                 tokens=[shard(0, 200)] * 2)
+        simulate(CFG, layout, INNER, OuterConfig(), steps_per_round=0, rounds=1, seed=0, tokens=[shard(0, 200)] * 2)
 
 
 def plain_training(tokens: torch.Tensor, rounds: int, seed: int) -> dict[str, torch.Tensor]:
@@ -67,8 +75,7 @@ def plain_training(tokens: torch.Tensor, rounds: int, seed: int) -> dict[str, to
     opt = make_optimizer(model, INNER)
     off = 0
     for r in range(rounds):
-        start, off = next_range(off, length=tokens.numel(), steps=H, batch_size=INNER.batch_size,
-                                seq_len=CFG.seq_len)
+        start, off = next_range(off, length=tokens.numel(), steps=H, batch_size=INNER.batch_size, seq_len=CFG.seq_len)
         batches = batches_from_tokens(tokens[start:], batch_size=INNER.batch_size, seq_len=CFG.seq_len, steps=H)
         train_steps(model, opt, batches, INNER, first_step=r * H)
     return {n: t.detach() for n, t in model.state_dict().items()}
@@ -81,16 +88,18 @@ def test_1x1_lr1_momentum0_equals_plain_training(rounds: int, atol: float) -> No
     # so the multi-round comparison needs a looser bound; the losses still agree to 1e-5.
     layout = parse_layout("embed:shared, b0-1:shared, head:shared", n_layers=CFG.n_layers)
     tokens = shard(0, 150)  # 3 rounds need 3 * 64 + 1 > 150 tokens: the cursor wraps once
-    result = simulate(CFG, layout, INNER, OuterConfig(lr=1.0, momentum=0.0), steps_per_round=H, rounds=rounds,
-                      seed=5, tokens=[tokens])
+    result = simulate(
+        CFG, layout, INNER, OuterConfig(lr=1.0, momentum=0.0), steps_per_round=H, rounds=rounds, seed=5, tokens=[tokens]
+    )
     plain = plain_training(tokens, rounds=rounds, seed=5)
     for level in result.modules:
         for name, t in level[0].items():
             torch.testing.assert_close(t, plain[name], rtol=0, atol=atol)
     assert len(result.losses) == rounds and all(len(r) == 1 for r in result.losses)
     # the same with method="average"
-    avg = simulate(CFG, layout, INNER, OuterConfig(method="average"), steps_per_round=H, rounds=rounds, seed=5,
-                   tokens=[tokens])
+    avg = simulate(
+        CFG, layout, INNER, OuterConfig(method="average"), steps_per_round=H, rounds=rounds, seed=5, tokens=[tokens]
+    )
     assert [r[0] for r in avg.losses] == pytest.approx([r[0] for r in result.losses], abs=1e-5)
 
 
@@ -114,8 +123,17 @@ def test_shared_module_averages_its_paths() -> None:
     # the two paths' trained weights, and each routed embedding equals its own path's trained weights.
     layout = parse_layout("embed:routed2, b0-1:shared, head:shared", n_layers=CFG.n_layers)
     tokens = [shard(p, 200) for p in range(2)]
-    result = simulate(CFG, layout, INNER, OuterConfig(lr=1.0, momentum=0.0), steps_per_round=H, rounds=1,
-                      seed=2, tokens=tokens, path_weights=[1.0, 3.0])
+    result = simulate(
+        CFG,
+        layout,
+        INNER,
+        OuterConfig(lr=1.0, momentum=0.0),
+        steps_per_round=H,
+        rounds=1,
+        seed=2,
+        tokens=tokens,
+        path_weights=[1.0, 3.0],
+    )
     init = init_level_modules(CFG, layout, seed=2)
     trained = []
     for p in range(2):
@@ -140,8 +158,9 @@ def run_golden() -> list[list[float]]:
     """debug flavour, 2x2, 3 rounds of H=2 steps, batch 2, seed 0, default OuterConfig, shards shard(p, 800)."""
     layout = parse_layout("embed:shared, b0-0:routed2, b1-1:routed2, head:shared", n_layers=GOLDEN_CFG.n_layers)
     tokens = [shard(p, 800) for p in range(layout.num_paths)]
-    result = simulate(GOLDEN_CFG, layout, GOLDEN_INNER, OuterConfig(), steps_per_round=H, rounds=3, seed=0,
-                      tokens=tokens)
+    result = simulate(
+        GOLDEN_CFG, layout, GOLDEN_INNER, OuterConfig(), steps_per_round=H, rounds=3, seed=0, tokens=tokens
+    )
     return result.losses
 
 
@@ -151,8 +170,8 @@ def test_golden_trajectory_2x2() -> None:
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "description": "modules.simulate: flavour debug, 3 rounds, H=2, InnerConfig(lr=3e-3, warmup_steps=2, "
-                           "total_steps=12, batch_size=2), default OuterConfig, seed 0, shards shard(p, 800); "
-                           "see tests/modules/test_simulate.py::run_golden",
+            "total_steps=12, batch_size=2), default OuterConfig, seed 0, shards shard(p, 800); "
+            "see tests/modules/test_simulate.py::run_golden",
             "layout": "embed:shared, b0-0:routed2, b1-1:routed2, head:shared",
             "losses": losses,
         }
@@ -166,3 +185,42 @@ def test_golden_trajectory_2x2() -> None:
     # the four paths really differ, and training makes progress
     assert len({round(x, 6) for x in losses[2]}) == 4
     assert sum(losses[2]) < sum(losses[0])
+
+
+def test_one_path_with_replicas_is_diloco() -> None:
+    """A 1x1 layout trained by P replicas is DiLoCo (arXiv 2311.08105, Alg. 1), written out here by hand."""
+    cfg = ModelConfig(vocab_size=257, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    layout = parse_layout("embed:shared, b0:shared, head:shared", n_layers=1)
+    inner = InnerConfig(lr=3e-3, warmup_steps=0, total_steps=6, batch_size=2)
+    outer = OuterConfig(lr=0.7, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    replicas, h, rounds = 3, 3, 2
+    tokens = [torch.randint(0, 257, (200,), generator=gen) for _ in range(replicas)]
+    got = simulate(
+        cfg, layout, inner, outer, steps_per_round=h, rounds=rounds, seed=0, tokens=tokens, replicas=replicas
+    )
+
+    # DiLoCo by hand: P workers with their own AdamW, outer SGD(nesterov) on the global copy
+    global_model = build_path(cfg, init_level_modules(cfg, layout, seed=0))
+    outer_opt = torch.optim.SGD(global_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    workers = [build_path(cfg, init_level_modules(cfg, layout, seed=0)) for _ in range(replicas)]
+    opts = [make_optimizer(w, inner) for w in workers]
+    need = h * inner.batch_size * cfg.seq_len
+    for r in range(rounds):
+        deltas = []
+        for j, (worker, opt) in enumerate(zip(workers, opts, strict=True)):
+            worker.load_state_dict(global_model.state_dict())
+            torch.manual_seed(j)
+            batch = batches_from_tokens(
+                tokens[j][r * need : r * need + need + 1], batch_size=2, seq_len=cfg.seq_len, steps=h
+            )
+            train_steps(worker, opt, batch, inner, first_step=r * h)
+            deltas.append({n: global_model.state_dict()[n] - t for n, t in worker.state_dict().items()})
+        outer_opt.zero_grad()
+        for name, param in global_model.named_parameters():
+            param.grad = torch.stack([d[name] for d in deltas]).mean(0)
+        outer_opt.step()
+    final = global_model.state_dict()
+    for level in got.modules:
+        for name, t in level[0].items():
+            torch.testing.assert_close(t, final[name], rtol=0, atol=1e-5)
