@@ -133,7 +133,7 @@ def standard_contenders(
     if with_token_reference:
         # for reference: the wide dense model on as many tokens as the 4 paths of the 2x2 see together
         wide = {**base, "d_model": cfg.d_model * width_factor}
-        name = f"dense-{width_factor}w, 4x tokens"
+        name = f"dense-{width_factor}w 4x tokens"
         out.append(Contender(name=name, model=wide, layout=dense_layout(n), token_factor=4))
     return out
 
