@@ -46,23 +46,33 @@ def fit_bias(
     max_share: float = 2.0,
     max_steps: int | None = None,
     strict: bool = True,
+    target: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per-path offsets so that `argmin(s + bias)` gives every path between min_share and max_share of its fair
     share of `sizes` (tokens per document). `s` is (N, K) with lower = closer.
 
     Documents with identical prefixes have identical scores and always share a path, so a group of them
     larger than the cap makes the bounds unreachable. `strict=False` then returns the offsets with the smallest
-    total violation found instead of raising."""
+    total violation found instead of raising.
+
+    `target` (K,) non-negative, summing to 1: the share of `sizes` each path should hold (default: 1/K each);
+    the bounds are then `min_share` and `max_share` times each path's own target."""
     n, k = s.shape
     if not 0.0 <= min_share <= 1.0 <= max_share:
         raise BalanceError(f"need 0 <= min_share <= 1 <= max_share, got {min_share} and {max_share}")
     sizes = np.asarray(sizes, dtype=np.float64)
-    fair = sizes.sum() / k
+    if target is None:
+        fair = np.full(k, sizes.sum() / k)
+    else:
+        target = np.asarray(target, dtype=np.float64)
+        if target.shape != (k,) or (target < 0).any() or abs(float(target.sum()) - 1.0) > 1e-6:
+            raise BalanceError(f"target shares must be {k} non-negative numbers summing to 1, got {target}")
+        fair = target * sizes.sum()
     lo, hi = min_share * fair, max_share * fair
-    if n and sizes.max() > hi:
-        raise BalanceError(f"a document of {int(sizes.max())} tokens exceeds the cap of {hi:.0f} tokens per path "
-                           f"({max_share} x the fair share {fair:.0f}); raise max_share")
-    if lo > 0 and n < k:
+    if n and sizes.max() > hi.max():
+        raise BalanceError(f"a document of {int(sizes.max())} tokens exceeds the cap of {hi.max():.0f} tokens per "
+                           f"path ({max_share} x the fair share {fair.max():.0f}); raise max_share")
+    if int((lo > 0).sum()) > n:
         raise BalanceError(f"{n} documents cannot give each of {k} paths at least {min_share} of its share")
     bias = np.zeros(k, dtype=np.float64)
     best_bias, best_violation = bias.copy(), np.inf
@@ -80,7 +90,7 @@ def fit_bias(
         total = s + bias[None, :]
         labels = np.argmin(total, axis=1)
         load = np.bincount(labels, weights=sizes, minlength=k)
-        over, under = (load - hi) / hi, (lo - load) / max(lo, 1e-12)
+        over, under = (load - hi) / np.maximum(hi, 1e-12), (lo - load) / np.maximum(lo, 1e-12)
         if violation(load) == 0:
             return bias
         best = total[rows, labels]
@@ -90,12 +100,12 @@ def fit_bias(
             members = np.flatnonzero(labels == p)
             rest = np.delete(total[members], p, axis=1)
             margin = rest.min(axis=1) - best[members]  # cost of sending each member to its next choice
-            need = load[p] - hi
+            need = load[p] - hi[p]
         else:
             p = int(np.argmax(under))
             members = np.flatnonzero(labels != p)
             margin = total[members, p] - best[members]  # cost of pulling each outsider in
-            need = lo - load[p]
+            need = lo[p] - load[p]
         order = np.lexsort((members, margin))  # cheapest first, index order on ties: deterministic
         cum = np.cumsum(sizes[members[order]])
         cut = min(int(np.searchsorted(cum, need)), len(order) - 1)
@@ -111,14 +121,15 @@ def fit_bias(
         excess = load - np.clip(load, lo, hi)
         if violation(load) == 0:
             return bias
-        bias += (0.5 * scale / np.sqrt(1.0 + t)) * excess / fair
+        bias += (0.5 * scale / np.sqrt(1.0 + t)) * excess / np.maximum(fair, 1e-12)
     if not strict:
         return best_bias
     labels = np.argmin(s + best_bias[None, :], axis=1)
     shares = token_shares(labels, sizes, k)
     _, group, inverse = np.unique(np.round(s, 9), axis=0, return_index=True, return_inverse=True)
-    largest = np.bincount(inverse.reshape(-1), weights=sizes).max() / fair
+    largest = np.bincount(inverse.reshape(-1), weights=sizes).max() / fair.max()
     why = (f"; documents with one identical prefix hold {largest:.2f} x the fair share and must share a path"
            if largest > max_share else "")
     raise BalanceError(f"could not balance {k} paths within [{min_share}, {max_share}] of the fair share; "
                        f"best shares {np.round(shares, 3).tolist()}{why}")
+

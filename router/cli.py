@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
+import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -180,3 +181,67 @@ def register(
     for r in records:
         table.add_row(str(r["path_index"]), str(r["id"]), f"{r['num_tokens']:,}", str(r["num_documents"]))
     _console().print(table)
+
+
+@app.command()
+def refit(
+    coordinator: Annotated[str, typer.Option(help="Coordinator base URL, e.g. http://127.0.0.1:8000.")],
+    run: Annotated[int, typer.Option(help="Run id whose paths score the documents (current module versions).")],
+    router: Annotated[Path, typer.Option(help="Base router directory, or the shard directory holding router/.")],
+    corpus: Annotated[Path, typer.Option(help="Corpus directory (from `corpus`).")],
+    out: Annotated[Path, typer.Option(help="Directory for the refit router (router.json + safetensors).")],
+    split: Annotated[str, typer.Option(help="Router-held-out documents: reads SPLIT.jsonl in the corpus.")]
+    = "heldout",
+    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Any valid bearer token.")] = "",
+    min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Least routed share / target share.")] = 0.5,
+    max_share: Annotated[float, typer.Option(min=1.0, help="Most routed share / target share.")] = 2.0,
+    seed: Annotated[int, typer.Option(help="Seed of the logistic regression.")] = 0,
+    shards_out: Annotated[Path | None, typer.Option(
+        help="Also re-shard the train split with the refit router into this directory.")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 256,
+) -> None:
+    """Discriminative re-routing (§2.4.2): score the held-out documents under every path of the run, label each
+    with its best path, fit a linear router to the labels with balanced shares, save it."""
+    from router import eval_cli
+    from router.refit import refit_report, refit_router, score_all_paths
+
+    console = _console()
+    token = token or os.environ.get("DIPACO_ADMIN_TOKEN", "")
+    if not token:
+        console.print("[red]error:[/red] no token: pass --token or set DIPACO_TOKEN")
+        raise typer.Exit(code=1)
+    with _user_errors(), eval_cli._user_errors(console):
+        base = eval_cli.load_router(router)
+        documents = eval_cli.load_documents(corpus, split)
+        with eval_cli._client(coordinator, token) as client:
+            run_paths = eval_cli.fetch_run_paths(client, run)
+            if run_paths.num_paths != base.num_paths:
+                raise eval_cli.EvalError(f"the router has {base.num_paths} paths, run {run} has "
+                                         f"{run_paths.num_paths}")
+            losses = score_all_paths(run_paths.build, documents, num_paths=run_paths.num_paths,
+                                     prefix_tokens=base.prefix_tokens, context=run_paths.config.seq_len,
+                                     batch_size=batch_size)
+        new = refit_router(losses, documents, base, min_share=min_share, max_share=max_share, seed=seed)
+        new.save(out)
+        scored = [max(0, len(d.encode("utf-8")) + 1 - base.prefix_tokens) for d in documents]
+        report = refit_report(losses, documents, base, new, weights=np.asarray(scored, dtype=np.float64))
+        manifest = None
+        if shards_out is not None:
+            manifest = shard_corpus(corpus, shards_out, num_paths=base.num_paths, prefix_tokens=base.prefix_tokens,
+                                    router=new, seed=seed)
+    table = Table(title=f"refit router of run {run} in {out}: {report.documents} {split} documents")
+    for column in ("path", "best here", "base route", "refit route"):
+        table.add_column(column, justify="right")
+    for p in range(base.num_paths):
+        table.add_row(str(p), str(report.label_histogram[p]), str(report.base_histogram[p]),
+                      str(report.new_histogram[p]))
+    console.print(table)
+    console.print(f"{report.changed} of {report.documents} documents change path")
+    console.print(f"routed {split} perplexity: base {report.base_perplexity:.3f} -> refit "
+                  f"{report.new_perplexity:.3f} (every document on its best path: {report.oracle_perplexity:.3f}; "
+                  "measured on the documents the refit was fitted on)")
+    if manifest is not None:
+        shares = manifest["balance"]["token_shares"]
+        console.print(f"re-sharded the train split into {shards_out}: moved "
+                      f"{manifest['balance']['moved_documents']} documents while balancing, token share per "
+                      f"shard / fair share {min(shares):.2f} to {max(shares):.2f}, purity {manifest['purity']:.3f}")

@@ -298,3 +298,67 @@ def evaluate_dense(
     return evaluate_routed([model], SinglePathRouter(prefix_tokens=prefix_tokens), documents,
                            prefix_tokens=prefix_tokens, context=context, stride=stride, batch_size=batch_size,
                            tokenizer=tokenizer, device=device)
+
+
+def score_all_paths(
+    paths: PathSource,
+    documents: list[str],
+    *,
+    num_paths: int | None = None,
+    prefix_tokens: int = 32,
+    context: int,
+    stride: int | None = None,
+    batch_size: int = 256,
+    tokenizer: TokenizerLike | None = None,
+    device: str | torch.device = "cpu",
+) -> np.ndarray:
+    """(len(documents), num_paths) mean NLL (nats/token) of every document under every path, on exactly the
+    tokens `evaluate_routed` scores (prefix excluded, same windows); a document with no token after the prefix
+    gets NaN. `num_paths` is needed when `paths` is a function. Used for discriminative re-routing
+    (`router.refit`): every path is built once and runs over every document."""
+    if isinstance(paths, Sequence):
+        num_paths = len(paths) if num_paths is None else num_paths
+        if num_paths != len(paths):
+            raise ValueError(f"num_paths={num_paths} but {len(paths)} path models")
+    elif num_paths is None:
+        raise ValueError("num_paths is required when paths is a function")
+    if prefix_tokens < 1 or context < 1 or batch_size < 1:
+        raise ValueError(f"prefix_tokens, context and batch_size must be >= 1, got {prefix_tokens}, {context}, "
+                         f"{batch_size}")
+    stride = context if stride is None else stride
+    if not 1 <= stride <= context:
+        raise ValueError(f"stride must be in [1, context={context}], got {stride}")
+    tok: TokenizerLike = tokenizer if tokenizer is not None else ByteTokenizer()
+    seqs = [tok.encode_array(text, eos=True).astype(np.int64) for text in documents]
+    windows = [w for d, s in enumerate(seqs) if len(s) > prefix_tokens
+               for w in _windows(len(s), prefix=prefix_tokens, context=context, stride=stride, doc=d)]
+    n = len(windows)
+    inputs = np.zeros((n, context), dtype=np.int64)
+    targets = np.zeros((n, context), dtype=np.int64)
+    scored = np.zeros((n, context), dtype=bool)
+    doc_of = np.array([w.doc for w in windows], dtype=np.int64)
+    for i, w in enumerate(windows):
+        seq, width = seqs[w.doc], w.end - w.start
+        inputs[i, :width] = seq[w.start : w.end]
+        targets[i, :width] = seq[w.start + 1 : w.end + 1]
+        scored[i, w.score_from - (w.start + 1) : width] = True
+    counts = np.bincount(doc_of, weights=scored.sum(axis=1), minlength=len(documents))
+    out = np.full((len(documents), num_paths), np.nan, dtype=np.float64)
+    with torch.no_grad():
+        for p in range(num_paths):
+            if n == 0:
+                break
+            model = (paths[p] if isinstance(paths, Sequence) else paths(p)).to(device).eval()
+            nll = np.zeros(n, dtype=np.float64)
+            for b in range(0, n, batch_size):
+                x = torch.from_numpy(inputs[b : b + batch_size]).to(device)
+                y = torch.from_numpy(targets[b : b + batch_size]).to(device)
+                mask = torch.from_numpy(scored[b : b + batch_size]).to(device)
+                logits = model(x).float()
+                losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
+                nll[b : b + batch_size] = (losses.view_as(y).double() * mask).sum(dim=1).cpu().numpy()
+            per_doc = np.bincount(doc_of, weights=nll, minlength=len(documents))
+            has = counts > 0
+            out[has, p] = per_doc[has] / counts[has]
+            del model
+    return out

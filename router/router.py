@@ -13,6 +13,11 @@ centroid table and routes with the same code.
 A fitted router is saved as safetensors (idf, svd_components, centroids, bias) plus `router.json` with the
 hyper-parameters; nothing is pickled.
 
+Linear head (discriminative re-routing, paper §2.4.2, see `router.refit`): a router may carry `head_weight`
+(num_paths, dims) and `head_intercept` (num_paths,); it then routes by `argmin_p (-(x . w_p + b_p) + bias_p)`,
+i.e. the highest logit after the balancing offset, and the k-means centroids are kept only as a record. Such a
+router is saved with format 2 (format-1 readers refuse it instead of silently routing by the centroids).
+
 Empty clusters: after k-means, every training document is routed with the same code `route` uses; if a path
 gets no document its centroid is moved onto the training document farthest from its own centroid (taken from
 a path that has at least two), and routing is repeated. If that cannot give every path a document (fewer
@@ -35,6 +40,8 @@ from threadpoolctl import threadpool_limits
 from router.features import FeatureConfig, fit_features, transform
 
 ROUTER_FORMAT = 1
+HEAD_ROUTER_FORMAT = 2
+"""Format written when the router has a linear head; `load` reads both."""
 WEIGHTS_FILE = "router.safetensors"
 CONFIG_FILE = "router.json"
 
@@ -59,6 +66,10 @@ class Router:
     """(num_paths,) offsets added to the squared distances (balancing); None: plain nearest centroid."""
     levels: tuple[int, ...] | None = None
     """Clusters per routed level for product k-means (product = num_paths); None: one k-means."""
+    head_weight: np.ndarray | None = None
+    """(num_paths, dims) linear head (discriminative re-routing); None: route by the centroids."""
+    head_intercept: np.ndarray | None = None
+    """(num_paths,) intercepts of the linear head (set together with head_weight)."""
 
     @property
     def num_paths(self) -> int:
@@ -72,11 +83,25 @@ class Router:
         """Prefix features, shape (len(texts), dims); only the first prefix_tokens bytes of a text matter."""
         return transform(texts, self.features, self.idf, self.components)
 
+    def scores(self, x: np.ndarray) -> np.ndarray:
+        """(N, num_paths) unbiased routing scores of features `x` (lower = preferred): squared distance to each
+        centroid minus |x|^2, or minus the linear head's logits when the router has one."""
+        if self.head_weight is not None:
+            assert self.head_intercept is not None
+            return -(x @ self.head_weight.T + self.head_intercept[None, :])
+        return (self.centroids * self.centroids).sum(axis=1)[None, :] - 2.0 * (x @ self.centroids.T)
+
     def route(self, texts: list[str]) -> np.ndarray:
-        """Path index (int64) of each text: its nearest centroid, lowest index on ties."""
+        """Path index (int64) of each text: its nearest centroid (or highest head logit) after the balancing
+        offsets, lowest index on ties."""
         if not texts:
             return np.zeros(0, dtype=np.int64)
-        return _nearest(self.embed(texts), self.centroids, self.bias)
+        if self.head_weight is None:
+            return _nearest(self.embed(texts), self.centroids, self.bias)
+        s = self.scores(self.embed(texts))
+        if self.bias is not None:
+            s = s + self.bias[None, :]
+        return np.argmin(s, axis=1).astype(np.int64)
 
     def save(self, directory: Path) -> None:
         """Write `router.safetensors` then `router.json` (the JSON last: complete-or-absent)."""
@@ -86,11 +111,22 @@ class Router:
         arrays = {"idf": self.idf, "svd_components": self.components, "centroids": self.centroids}
         if self.bias is not None:
             arrays["bias"] = self.bias
+        if self.head_weight is not None:
+            if self.head_intercept is None or self.head_weight.shape != (self.num_paths, self.components.shape[0]) \
+                    or self.head_intercept.shape != (self.num_paths,):
+                raise RouterError(f"linear head {self.head_weight.shape} / intercept "
+                                  f"{None if self.head_intercept is None else self.head_intercept.shape} does "
+                                  f"not fit {self.num_paths} paths x {self.components.shape[0]} dims")
+            arrays["head_weight"] = self.head_weight
+            arrays["head_intercept"] = self.head_intercept
         save_file(arrays, str(tmp))
         os.replace(tmp, weights)
-        config = {"format": ROUTER_FORMAT, "num_paths": self.num_paths, "seed": self.seed,
+        config: dict[str, Any] = {"format": HEAD_ROUTER_FORMAT if self.head_weight is not None else ROUTER_FORMAT,
+                  "num_paths": self.num_paths, "seed": self.seed,
                   "features": self.features.to_dict(), "levels": list(self.levels) if self.levels else None,
                   "balanced": self.bias is not None}
+        if self.head_weight is not None:
+            config["head"] = True  # absent for k-means routers: their router.json is unchanged
         tmp = directory / f".{CONFIG_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, directory / CONFIG_FILE)
@@ -101,14 +137,18 @@ class Router:
         if not config_path.is_file() or not weights_path.is_file():
             raise RouterError(f"no saved router in {directory} (need {CONFIG_FILE} and {WEIGHTS_FILE})")
         config: dict[str, Any] = json.loads(config_path.read_text())
-        if config.get("format") != ROUTER_FORMAT:
+        if config.get("format") not in (ROUTER_FORMAT, HEAD_ROUTER_FORMAT):
             raise RouterError(
-                f"{config_path}: router format {config.get('format')}, expected {ROUTER_FORMAT}"
+                f"{config_path}: router format {config.get('format')}, expected {ROUTER_FORMAT} or "
+                f"{HEAD_ROUTER_FORMAT}"
             )
         arrays = load_file(str(weights_path))
         router = cls(features=FeatureConfig(**config["features"]), seed=int(config["seed"]),
                      idf=arrays["idf"], components=arrays["svd_components"], centroids=arrays["centroids"],
-                     bias=arrays.get("bias"), levels=tuple(config["levels"]) if config.get("levels") else None)
+                     bias=arrays.get("bias"), levels=tuple(config["levels"]) if config.get("levels") else None,
+                     head_weight=arrays.get("head_weight"), head_intercept=arrays.get("head_intercept"))
+        if bool(config.get("head")) != (router.head_weight is not None and router.head_intercept is not None):
+            raise RouterError(f"{directory}: {CONFIG_FILE} says head={config.get('head')}, the weights disagree")
         if router.num_paths != config["num_paths"] or router.idf.shape != (router.features.n_features,):
             raise RouterError(
                 f"{directory}: arrays do not match {CONFIG_FILE} (centroids {router.centroids.shape}, "

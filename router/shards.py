@@ -8,6 +8,7 @@ levels, and the balance: each shard's token share relative to the fair share, be
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from router.balance import BalanceError, fit_bias, scores, token_shares
+from router.balance import BalanceError, fit_bias, token_shares
 from router.corpus import MANIFEST_FILE, TRAIN_FILE, CorpusError, iter_jsonl
 from router.router import Router, fit_router
 from router.tokenizer import TOKEN_DTYPE, ByteTokenizer
@@ -94,7 +95,7 @@ def _route_scores(router: Router, prefix_texts: list[str], batch_docs: int) -> n
     """(N, K) unbiased scores of every document, featurized in batches (bounded memory)."""
     out = np.empty((len(prefix_texts), router.num_paths), dtype=np.float64)
     for b in range(0, len(prefix_texts), batch_docs):
-        out[b : b + batch_docs] = scores(router.embed(prefix_texts[b : b + batch_docs]), router.centroids)
+        out[b : b + batch_docs] = router.scores(router.embed(prefix_texts[b : b + batch_docs]))
     return out
 
 
@@ -113,6 +114,7 @@ def shard_corpus(
     levels: list[int] | None = None,
     fit_sample: int = 50_000,
     batch_docs: int = 4096,
+    router: Router | None = None,
 ) -> dict[str, Any]:
     """Fit the router on the train split, write one token file per path, the router and the manifest.
 
@@ -124,6 +126,11 @@ def shard_corpus(
     path), `strict_balance` raises `ShardError`; otherwise the closest balance found is used, a warning is
     logged and the manifest says `"satisfied": false`. `levels=[2, 2]` fits product k-means (one k-means per
     routed level, path = mixed radix).
+
+    `router`: shard with this router instead of fitting one (e.g. a refit router from `router.refit`); it must
+    have `num_paths` paths and read `prefix_tokens` tokens, and is not modified. With `balance`, an offset is
+    added to its own `bias` (nothing when its routing already meets the bounds on the train split); without,
+    it routes as it is. The router used is saved with the shards as always.
     """
     corpus_manifest = corpus_dir / MANIFEST_FILE
     if not corpus_manifest.is_file():
@@ -139,14 +146,28 @@ def shard_corpus(
         fit_texts = [prefix_texts[i] for i in fit_idx]
     else:
         fit_texts = prefix_texts
-    router = fit_router(fit_texts, num_paths=num_paths, prefix_tokens=prefix_tokens, seed=seed, levels=levels)
+    given = router is not None
+    if router is not None:
+        if router.num_paths != num_paths or router.prefix_tokens != prefix_tokens:
+            raise ShardError(f"the given router has {router.num_paths} paths and reads {router.prefix_tokens} "
+                             f"tokens; asked for {num_paths} paths and {prefix_tokens} tokens")
+        router = dataclasses.replace(router)
+        fit_texts = []
+        levels = list(router.levels) if router.levels else None
+    else:
+        router = fit_router(fit_texts, num_paths=num_paths, prefix_tokens=prefix_tokens, seed=seed,
+                            levels=levels)
     s = _route_scores(router, prefix_texts, batch_docs)
+    # A given router's own offsets are the starting point ("unbalanced" = routed as given); balancing adds to them.
+    start = router.bias if given and router.bias is not None else np.zeros(num_paths)
     if balance:
         try:
-            router.bias = fit_bias(s, sizes, min_share=min_share, max_share=max_share, strict=strict_balance)
+            delta = fit_bias(s + start[None, :], sizes, min_share=min_share, max_share=max_share,
+                             strict=strict_balance)
         except BalanceError as exc:
             raise ShardError(f"balancing {n} documents over {num_paths} paths: {exc}") from exc
-    unbalanced = np.argmin(s, axis=1)
+        router.bias = start + delta if given else delta
+    unbalanced = np.argmin(s + start[None, :], axis=1)
     labels = np.argmin(s + (router.bias[None, :] if router.bias is not None else 0.0), axis=1)
     del s
 
@@ -212,6 +233,7 @@ def shard_corpus(
         "purity_random": random_purity(labels, domains, seed=seed),
         "levels": list(levels) if levels and len(levels) >= 2 else [num_paths],
         "fit_documents": len(fit_texts),
+        **({"router_given": True, "router_head": router.head_weight is not None} if given else {}),
         "balance": {
             "enabled": balance, "min_share": min_share, "max_share": max_share,
             "satisfied": satisfied,

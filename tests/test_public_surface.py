@@ -22,7 +22,7 @@ def test_cli_commands() -> None:
         "generate": [],
         "island": ["join"],
         "registry": ["islands", "modules", "paths", "runs"],
-        "router": ["corpus", "register", "shard"],
+        "router": ["corpus", "refit", "register", "shard"],
     }
 
 

@@ -16,7 +16,7 @@ runner = CliRunner()
 
 def test_public_commands() -> None:
     names = sorted(c.name or (c.callback.__name__ if c.callback else "") for c in app.registered_commands)
-    assert names == ["corpus", "register", "shard"]
+    assert names == ["corpus", "refit", "register", "shard"]
 
 
 def test_corpus_and_shard_commands(tmp_path: Path) -> None:
