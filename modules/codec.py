@@ -73,8 +73,10 @@ GRAD_CODECS: tuple[GradCodec, ...] = ("fp32", "bf16", "int8")
 DEFAULT_BLOCK_SIZE = 256
 """int8 block: 256 values share one fp32 scale, i.e. 4/256 = 1.6 % overhead on top of 1 byte per value."""
 
-_INT8_SUFFIX = "::int8"
-_SCALE_SUFFIX = "::scale"
+_RESERVED = "::"
+SCALES_NAME = "::scales"
+"""int8 payloads: every tensor is stored as int8 under its own name, and the fp32 block scales of all of them
+in this one 1-D tensor, concatenated in sorted-name order (one header entry instead of one per tensor)."""
 # The dtypes each codec may carry; decode_grad refuses anything else.
 _CODEC_DTYPES: dict[str, frozenset[str]] = {
     "fp32": frozenset({"F32"}),
@@ -185,18 +187,21 @@ def _encode_values(
     tensors: Mapping[str, torch.Tensor], codec: str, block_size: int
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.endswith((_INT8_SUFFIX, _SCALE_SUFFIX)):
-            raise CodecError(f"tensor name {name!r} ends with a reserved codec suffix")
-        t = t.detach().cpu()
+    scales: list[torch.Tensor] = []
+    for name in sorted(tensors):
+        if _RESERVED in name:
+            raise CodecError(f"tensor name {name!r} contains '::' (reserved codec suffix)")
+        t = tensors[name].detach().cpu()
         if codec == "fp32":
             out[name] = t.float().contiguous()
         elif codec == "bf16":
             out[name] = t.to(torch.bfloat16).contiguous()
         else:
             q, scale = quantize_int8(t, block_size=block_size)
-            out[name + _INT8_SUFFIX] = q.contiguous()
-            out[name + _SCALE_SUFFIX] = scale.contiguous()
+            out[name] = q.contiguous()
+            scales.append(scale)
+    if codec == "int8":
+        out[SCALES_NAME] = torch.cat(scales) if scales else torch.zeros(0)
     return out
 
 
@@ -222,8 +227,8 @@ def encode_grad(
 def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
     """Decode an `encode_grad` payload to fp32 tensors under their original names.
 
-    Refuses (CodecError) an unknown codec, a dtype the codec does not carry, int8 values without their scales
-    (or the reverse), scales of the wrong length, and malformed or truncated payloads.
+    Refuses (CodecError) an unknown codec, a dtype the codec does not carry, an int8 payload without its
+    `::scales` tensor or with the wrong number of scales, and malformed or truncated payloads.
     """
     meta = read_metadata(data)
     codec = meta.get("dipaco.codec")
@@ -237,9 +242,7 @@ def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
         if dtype not in allowed:
             raise CodecError(f"tensor {name!r} has dtype {dtype}; codec {codec} allows {sorted(allowed)}")
         if codec == "int8":
-            want = "I8" if name.endswith(_INT8_SUFFIX) else "F32" if name.endswith(_SCALE_SUFFIX) else None
-            if want is None:
-                raise CodecError(f"tensor {name!r} in an int8 payload lacks the ::int8 / ::scale suffix")
+            want = "F32" if name == SCALES_NAME else "I8"
             if dtype != want:
                 raise CodecError(f"tensor {name!r} has dtype {dtype}, expected {want}")
     try:
@@ -254,11 +257,20 @@ def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
         bad = meta.get("dipaco.block_size")
         raise CodecError(f"int8 payload has a bad dipaco.block_size {bad!r}") from exc
     _check_block_size(block_size)
-    values = {n[: -len(_INT8_SUFFIX)]: t for n, t in raw.items() if n.endswith(_INT8_SUFFIX)}
-    scales = {n[: -len(_SCALE_SUFFIX)]: t for n, t in raw.items() if n.endswith(_SCALE_SUFFIX)}
-    if set(values) != set(scales):
-        raise CodecError(f"int8 values and scales do not pair up: {sorted(set(values) ^ set(scales))}")
-    return {name: dequantize_int8(q, scales[name], block_size=block_size) for name, q in values.items()}
+    scales = raw.pop(SCALES_NAME, None)
+    if scales is None:
+        raise CodecError(f"int8 payload has no {SCALES_NAME!r} tensor")
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name in sorted(raw):
+        q = raw[name]
+        count = math.ceil(q.numel() / block_size)
+        out[name] = dequantize_int8(q, scales[offset : offset + count], block_size=block_size)
+        offset += count
+    if offset != scales.numel():
+        raise CodecError(f"int8 payload: {len(raw)} tensors in blocks of {block_size} need {offset} scales, "
+                         f"got {scales.numel()}")
+    return out
 
 
 def grad_payload_nbytes(
@@ -272,6 +284,7 @@ def grad_payload_nbytes(
     _check_codec(codec)
     _check_block_size(block_size)
     entries: list[tuple[str, str, list[int]]] = []
+    total_scales = 0
     for name, shape in shapes.items():
         dims = [int(d) for d in shape]
         if codec == "fp32":
@@ -279,8 +292,10 @@ def grad_payload_nbytes(
         elif codec == "bf16":
             entries.append((name, "BF16", dims))
         else:
-            entries.append((name + _INT8_SUFFIX, "I8", dims))
-            entries.append((name + _SCALE_SUFFIX, "F32", [math.ceil(math.prod(dims) / block_size)]))
+            entries.append((name, "I8", dims))
+            total_scales += math.ceil(math.prod(dims) / block_size)
+    if codec == "int8":
+        entries.append((SCALES_NAME, "F32", [total_scales]))
     entries.sort(key=lambda e: (_DTYPE_RANK[e[1]], e[0]))
     header: dict[str, object] = {"__metadata__": _grad_metadata(codec, block_size)}
     offset = 0

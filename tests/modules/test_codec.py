@@ -101,8 +101,8 @@ def test_int8_round_trip_error_bound(block_size: int) -> None:
 def test_int8_tensor_names_and_dtypes() -> None:
     data = encode_grad({"a.weight": torch.randn(10, 30)}, "int8", block_size=64)
     raw = decode(data, allowed_dtypes=frozenset({"I8", "F32"}))
-    assert raw["a.weight::int8"].dtype == torch.int8 and raw["a.weight::int8"].shape == (10, 30)
-    assert raw["a.weight::scale"].dtype == torch.float32 and raw["a.weight::scale"].shape == (5,)
+    assert raw["a.weight"].dtype == torch.int8 and raw["a.weight"].shape == (10, 30)
+    assert raw["::scales"].dtype == torch.float32 and raw["::scales"].shape == (5,)
 
 
 def test_quantize_extremes_are_exact() -> None:
@@ -124,19 +124,21 @@ def test_decode_grad_refuses_bad_payloads() -> None:
     with pytest.raises(CodecError, match=r"codec bf16 allows \['BF16'\]"):
         decode_grad(st_save({"x": torch.zeros(2)}, metadata={"dipaco.codec": "bf16"}))
     int8_meta = {"dipaco.codec": "int8", "dipaco.block_size": "4"}
-    with pytest.raises(CodecError, match="lacks the ::int8 / ::scale suffix"):
-        decode_grad(st_save({"x": torch.zeros(2)}, metadata=int8_meta))
-    with pytest.raises(CodecError, match="'x::int8' has dtype F32, expected I8"):
-        decode_grad(st_save({"x::int8": torch.zeros(2), "x::scale": torch.ones(1)}, metadata=int8_meta))
-    with pytest.raises(CodecError, match=r"do not pair up: \['y'\]"):
-        decode_grad(st_save({"x::int8": torch.zeros(2, dtype=torch.int8), "x::scale": torch.ones(1),
-                             "y::scale": torch.ones(1)}, metadata=int8_meta))
+    with pytest.raises(CodecError, match="'x' has dtype F32, expected I8"):
+        decode_grad(st_save({"x": torch.zeros(2), "::scales": torch.ones(1)}, metadata=int8_meta))
+    with pytest.raises(CodecError, match="int8 payload has no '::scales' tensor"):
+        decode_grad(st_save({"x": torch.zeros(2, dtype=torch.int8)}, metadata=int8_meta))
     with pytest.raises(CodecError, match="need 1 scales, got 3"):
-        decode_grad(st_save({"x::int8": torch.zeros(2, dtype=torch.int8), "x::scale": torch.ones(3)},
-                            metadata=int8_meta))
+        decode_grad(st_save({"x": torch.zeros(2, dtype=torch.int8), "::scales": torch.ones(3)}, metadata=int8_meta))
+    with pytest.raises(CodecError, match="need 1 scales, got 0"):
+        decode_grad(st_save({"x": torch.zeros(2, dtype=torch.int8), "::scales": torch.ones(0)}, metadata=int8_meta))
     with pytest.raises(CodecError, match="bad dipaco.block_size 'big'"):
-        decode_grad(st_save({"x::int8": torch.zeros(2, dtype=torch.int8), "x::scale": torch.ones(1)},
-                            metadata={"dipaco.codec": "int8", "dipaco.block_size": "big"}))
+        decode_grad(
+            st_save(
+                {"x": torch.zeros(2, dtype=torch.int8), "::scales": torch.ones(1)},
+                metadata={"dipaco.codec": "int8", "dipaco.block_size": "big"},
+            )
+        )
 
 
 def test_encode_grad_refuses_bad_input() -> None:
@@ -162,19 +164,23 @@ def test_payload_size_is_exact(codec: str, block_size: int) -> None:
 
 
 def test_int8_payload_is_at_most_026_of_fp32() -> None:
-    debug = split_state(init_state(flavour("debug"), seed=0), parse_layout(
-        "embed:shared, b0-1:shared, head:shared", n_layers=2))[1]
+    debug = split_state(
+        init_state(flavour("debug"), seed=0), parse_layout("embed:shared, b0-1:shared, head:shared", n_layers=2)
+    )[1]
     # the debug model's block weight matrices (qkv, attn proj, fc, mlp proj of both blocks)
     matrices = {n: t for n, t in debug.items() if t.dim() == 2}
-    small = split_state(init_state(flavour("small"), seed=0), parse_layout(
-        "embed:shared, b0-0:routed2, b1-3:shared, head:shared", n_layers=4))[1]
+    small = split_state(
+        init_state(flavour("small"), seed=0),
+        parse_layout("embed:shared, b0-0:routed2, b1-3:shared, head:shared", n_layers=4),
+    )[1]
     for module in (matrices, small):
         fp32 = len(encode_grad(module, "fp32"))
         int8 = len(encode_grad(module, "int8"))
         assert int8 <= 0.26 * fp32, (int8, fp32, int8 / fp32)
-    # a whole debug block module (incl. norms and biases, 12 tensors of 50k values): header weighs more
+    # a whole debug block module (incl. norms and biases, 24 tensors of 100k values): all block scales share one
+    # header entry, so the header stays small
     whole = len(encode_grad(debug, "int8")) / len(encode_grad(debug, "fp32"))
-    assert whole < 0.27
+    assert whole <= 0.26, whole
 
 
 def test_error_feedback_carries_the_residual() -> None:
