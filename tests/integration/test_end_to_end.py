@@ -6,8 +6,13 @@ weights must equal one Nesterov step on the mean of the outer gradients of the p
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
+from tests.conftest import ADMIN
 from tests.integration.checks import verify_run
 from tests.integration.conftest import Cluster, create_run, wait_finished, wait_islands_joined
 
@@ -48,3 +53,24 @@ def test_two_islands_two_rounds_outer_steps_recomputed(cluster: Cluster) -> None
     assert len({c["island_id"] for c in contributions["data"]}) == 2
 
     verify_run(cluster.database_url, cluster.data_dir / "blobs", run_id)
+
+    # the registry CLI shows the same registry: JSON on request, a table by default
+    env = {**cluster.env(), "DIPACO_TOKEN": ADMIN}
+    cli = [sys.executable, "-m", "dipaco", "registry"]
+    out = subprocess.run(
+        [*cli, "modules", "--coordinator", cluster.url, "--json", "--run-id", str(run_id)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    listed = json.loads(out)
+    assert listed["count"] == 6 and {m["version"] for m in listed["data"]} == {2}
+    table = subprocess.run(
+        [*cli, "paths", "--coordinator", cluster.url], capture_output=True, text=True, env=env, check=True
+    ).stdout
+    assert "paths (4)" in table and "[0, 1, 1, 0]" in table
+    refused = subprocess.run(
+        [*cli, "runs", "--coordinator", cluster.url, "--token", "wrong"], capture_output=True, text=True, env=env
+    )
+    assert refused.returncode != 0 and "unknown token" in refused.stderr
