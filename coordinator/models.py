@@ -167,7 +167,8 @@ class Lease(Base):
 
 class Contribution(Base):
     __tablename__ = "contributions"
-    __table_args__ = (UniqueConstraint("lease_id"),)
+    # one contribution per lease, and per path and round (a second upload for a path is refused, even racing)
+    __table_args__ = (UniqueConstraint("lease_id"), UniqueConstraint("path_id", "round"))
     id: Mapped[int] = mapped_column(primary_key=True)
     lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"))
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)

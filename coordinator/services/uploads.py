@@ -15,16 +15,17 @@ from pathlib import Path as FilePath
 import torch
 from safetensors import SafetensorError, safe_open
 from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from coordinator.blobstore import BlobStore
 from coordinator.errors import Conflict, Forbidden, Invalid
 from coordinator.faults import NO_FAULTS, FaultInjector
-from coordinator.models import Contribution, ContributionGrad, Lease, Module, Path, Run
+from coordinator.models import Contribution, ContributionGrad, Lease, Level, Module, Path, PathModule, Run
 from coordinator.schemas import GRAD_KEY_SEP
 from coordinator.services.leases import get_lease
 from coordinator.services.runs import run_layout, run_model_config
-from modules import CodecError, level_param_shapes
+from modules import CodecError, Layout, ModelConfig, level_param_shapes
 from modules.codec import read_header
 
 
@@ -46,6 +47,11 @@ def submit_outer_gradients(
 
     `body` is the spooled upload and `body_sha256` its hash; an accepted body is moved into the blob store as is
     (one blob per upload, no re-encoding); each module's part is found by its tensor-name prefix.
+
+    Two phases: the checks and the payload validation run without holding any lock (validation is the slow
+    part); then, under a shared lock on the run row (uploads side by side, a round apply excluded), everything
+    is checked again and the contribution written. A unique (path, round) constraint keeps a second upload for
+    the same path out even if two race.
     """
     lease = get_lease(session, lease_id)
     if lease.island_id != island_id:
@@ -53,44 +59,32 @@ def submit_outer_gradients(
     existing = session.scalar(select(Contribution).where(Contribution.lease_id == lease_id))
     if existing is not None:
         return existing, False
-    run = session.scalar(select(Run).where(Run.id == lease.run_id).with_for_update())
-    assert run is not None
-    if round_header is not None and round_header != lease.round:
-        raise Conflict(f"upload is for round {round_header}, lease {lease_id} was issued for round {lease.round}")
-    if run.status != "running" or run.current_round != lease.round:
-        raise Conflict(
-            f"lease {lease_id} was issued for round {lease.round}, the run is at round {run.current_round}"
-            + (" and finished" if run.status == "finished" else "")
-        )
-    if lease.status == "released":
-        raise Conflict(f"lease {lease_id} was released; ask for a new lease")
-    done = session.scalar(
-        select(Lease.id).where(Lease.path_id == lease.path_id, Lease.round == lease.round, Lease.status == "submitted")
-    )
-    if done is not None:
-        raise Conflict(f"path of lease {lease_id} already has a contribution for round {lease.round} (lease {done})")
     if tokens < 0:
         raise Invalid(f"tokens must be >= 0, got {tokens}")
     if not math.isfinite(train_loss):
         raise Invalid(f"train loss must be finite, got {train_loss}")
+    run = session.get_one(Run, lease.run_id)
+    _check_lease(session, run, lease, round_header)
+    cfg, layout = run_model_config(run), run_layout(run)
+    levels = _path_levels(session, lease)
+    session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
 
-    path = session.scalar(select(Path).where(Path.id == lease.path_id).options(selectinload(Path.modules)))
-    assert path is not None
-    modules = {
-        m.level_index: m
-        for m in session.scalars(
-            select(Module)
-            .where(Module.id.in_([pm.module_id for pm in path.modules]))
-            .options(selectinload(Module.level))
-        )
-    }
-    for m in modules.values():
-        base = int(lease.base_versions[str(m.id)])
-        if base != m.version:
-            raise Conflict(f"lease {lease_id} trained module {m.id} version {base}, the module is at {m.version}")
+    prefixes = _validated_payload(body, cfg, layout, levels)
 
-    prefixes = _validated_payload(body, run, modules)
-
+    locked = session.scalar(
+        select(Run).where(Run.id == lease.run_id).with_for_update(read=True).execution_options(populate_existing=True)
+    )
+    assert locked is not None
+    run = locked
+    lease = session.get_one(Lease, lease_id, populate_existing=True)
+    existing = session.scalar(select(Contribution).where(Contribution.lease_id == lease_id))
+    if existing is not None:
+        session.rollback()
+        return existing, False
+    _check_lease(session, run, lease, round_header)
+    if _path_levels(session, lease) != levels:
+        raise Conflict(f"the modules of lease {lease_id}'s path changed while its upload was validated")
+    path = session.get_one(Path, lease.path_id)
     contribution = Contribution(
         lease_id=lease.id,
         run_id=run.id,
@@ -102,12 +96,16 @@ def submit_outer_gradients(
         created_at=now,
     )
     session.add(contribution)
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError as exc:
+        session.rollback()
+        raise Conflict(f"path of lease {lease_id} already has a contribution for round {lease.round}") from exc
     blobs.put_file(body, body_sha256)
     for level_index, prefix in prefixes.items():
         session.add(
             ContributionGrad(
-                contribution_id=contribution.id, module_id=modules[level_index].id, blob_hash=body_sha256, prefix=prefix
+                contribution_id=contribution.id, module_id=levels[level_index][0], blob_hash=body_sha256, prefix=prefix
             )
         )
     lease.status = "submitted"
@@ -121,17 +119,52 @@ def submit_outer_gradients(
     return contribution, True
 
 
-def _validated_payload(body: FilePath, run: Run, modules: dict[int, Module]) -> dict[int, str]:
+def _check_lease(session: Session, run: Run, lease: Lease, round_header: int | None) -> None:
+    """The lease may still deliver: its round is the run's current one, it was not released, its path has no
+    contribution for the round yet."""
+    if round_header is not None and round_header != lease.round:
+        raise Conflict(f"upload is for round {round_header}, lease {lease.id} was issued for round {lease.round}")
+    if run.status != "running" or run.current_round != lease.round:
+        raise Conflict(
+            f"lease {lease.id} was issued for round {lease.round}, the run is at round {run.current_round}"
+            + (" and finished" if run.status == "finished" else "")
+        )
+    if lease.status == "released":
+        raise Conflict(f"lease {lease.id} was released; ask for a new lease")
+    done = session.scalar(
+        select(Lease.id).where(Lease.path_id == lease.path_id, Lease.round == lease.round, Lease.status == "submitted")
+    )
+    if done is not None:
+        raise Conflict(f"path of lease {lease.id} already has a contribution for round {lease.round} (lease {done})")
+
+
+def _path_levels(session: Session, lease: Lease) -> dict[int, tuple[int, str]]:
+    """level index -> (module id, level name) of the lease's path; checks the lease's base versions."""
+    rows = session.execute(
+        select(Module.id, Module.level_index, Module.version, Level.name)
+        .join(PathModule, PathModule.module_id == Module.id)
+        .join(Level, Level.id == Module.level_id)
+        .where(PathModule.path_id == lease.path_id)
+    ).all()
+    for module_id, _, version, _ in rows:
+        base = int(lease.base_versions[str(module_id)])
+        if base != version:
+            raise Conflict(f"lease {lease.id} trained module {module_id} version {base}, the module is at {version}")
+    return {level_index: (module_id, name) for module_id, level_index, _, name in rows}
+
+
+def _validated_payload(
+    body: FilePath, cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]]
+) -> dict[int, str]:
     """Check the safetensors file against the path's modules; returns level index -> tensor-name prefix.
 
     The header is checked first (names, dtypes, shapes, offsets within the file), then each tensor is read on
     its own from the memory-mapped file to check that it is finite: memory stays O(largest tensor).
     """
-    cfg, layout = run_model_config(run), run_layout(run)
     expected: dict[str, tuple[int, tuple[int, ...]]] = {}
     prefixes: dict[int, str] = {}
-    for level_index, module in modules.items():
-        prefixes[level_index] = f"{module.level.name}{GRAD_KEY_SEP}"
+    for level_index, (_, level_name) in levels.items():
+        prefixes[level_index] = f"{level_name}{GRAD_KEY_SEP}"
         for param, shape in level_param_shapes(cfg, layout, level_index).items():
             expected[f"{prefixes[level_index]}{param}"] = (level_index, shape)
     size = body.stat().st_size

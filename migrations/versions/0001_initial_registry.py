@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30 08:25:26.084292
+Create Date: 2026-11-30 09:20:30.225658
 """
 
 from collections.abc import Sequence
@@ -187,6 +187,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_contributions_run_id_runs"), ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_contributions")),
         sa.UniqueConstraint("lease_id", name=op.f("uq_contributions_lease_id")),
+        sa.UniqueConstraint("path_id", "round", name=op.f("uq_contributions_path_id_round")),
     )
     with op.batch_alter_table("contributions", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_contributions_run_id"), ["run_id"], unique=False)
