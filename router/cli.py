@@ -97,6 +97,15 @@ def shard(
     balance: Annotated[bool, typer.Option(help="Keep every shard within the token-share bounds.")] = True,
     min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Least tokens per shard / fair share.")] = 0.5,
     max_share: Annotated[float, typer.Option(min=1.0, help="Most tokens per shard / fair share.")] = 2.0,
+    heldout_docs_per_shard: Annotated[int, typer.Option(
+        min=0, help="Hold out the last N documents of each path in path-XXXX.heldout.tokens (early stopping).")]
+    = 0,
+    overlap_top2: Annotated[bool, typer.Option(
+        "--overlap-top2", help="Training shards overlap: each document also goes to its second-best path.")]
+    = False,
+    tokenizer: Annotated[str, typer.Option(
+        help="byte, or bpe (trained on the train split, saved as tokenizer.json).")] = "byte",
+    vocab_size: Annotated[int, typer.Option(min=257, max=65535, help="BPE vocabulary size.")] = 8192,
 ) -> None:
     """Fit the prefix router on the train split and write one token shard per path."""
     with _user_errors():
@@ -105,7 +114,9 @@ def shard(
         except ValueError as exc:
             raise ShardError(f"--levels must be comma-separated integers, got {levels!r}") from exc
         manifest = shard_corpus(corpus, out, num_paths=paths, prefix_tokens=prefix_tokens, seed=seed,
-                                levels=level_list, balance=balance, min_share=min_share, max_share=max_share)
+                                levels=level_list, balance=balance, min_share=min_share, max_share=max_share,
+                                heldout_docs_per_shard=heldout_docs_per_shard, overlap_top2=overlap_top2,
+                                tokenizer=tokenizer, vocab_size=vocab_size)
     table = Table(title=f"{paths} shards in {out}")
     for column in ("path", "docs", "tokens", "top domain"):
         table.add_column(column, justify="left" if column == "top domain" else "right")
@@ -120,6 +131,13 @@ def shard(
     shares = manifest["balance"]["token_shares"]
     note = "" if manifest["balance"]["satisfied"] or not balance else " [yellow](outside the bounds)[/yellow]"
     console.print(f"token share per shard / fair share: {min(shares):.2f} to {max(shares):.2f}{note}")
+    if heldout_docs_per_shard:
+        console.print(f"held out {heldout_docs_per_shard} documents per shard (path-XXXX.heldout.tokens)")
+    if overlap_top2:
+        console.print("training shards overlap: every document is also in its second-best path's shard")
+    if "tokenizer" in manifest:
+        console.print(f"BPE tokenizer: {manifest['tokenizer']['vocab_size']} tokens in "
+                      f"{out / manifest['tokenizer']['file']} (EOS = {manifest['eos']})")
 
 
 def register_shards(shards_dir: Path, *, client: httpx.Client, run_id: int) -> list[dict[str, Any]]:
