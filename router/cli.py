@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from router.corpus import CorpusError, build_local_corpus
+from router.model_features import FeaturizerError, load_exported
 from router.router import RouterError
 from router.shards import ShardError, load_manifest, shard_corpus
 from router.sources import FORMATS, build_corpus_from
@@ -39,7 +40,7 @@ def _user_errors() -> Iterator[None]:
     """Expected failures become one red line and exit code 1, not a traceback."""
     try:
         yield
-    except (CorpusError, RouterError, ShardError, RegistrationError) as exc:
+    except (CorpusError, RouterError, ShardError, RegistrationError, FeaturizerError) as exc:
         _console().print(f"[red]error:[/red] {exc}")
         raise typer.Exit(code=1) from exc
 
@@ -106,9 +107,13 @@ def shard(
     tokenizer: Annotated[str, typer.Option(
         help="byte, or bpe (trained on the train split, saved as tokenizer.json).")] = "byte",
     vocab_size: Annotated[int, typer.Option(min=257, max=65535, help="BPE vocabulary size.")] = 8192,
+    features_model: Annotated[Path | None, typer.Option(
+        help="Route on a path model's hidden states instead of n-grams: a directory written by `dipaco export`."
+    )] = None,
 ) -> None:
     """Fit the prefix router on the train split and write one token shard per path."""
     with _user_errors():
+        featurizer = load_exported(features_model) if features_model is not None else None
         try:
             level_list = [int(x) for x in levels.split(",")] if levels else None
         except ValueError as exc:
@@ -116,7 +121,7 @@ def shard(
         manifest = shard_corpus(corpus, out, num_paths=paths, prefix_tokens=prefix_tokens, seed=seed,
                                 levels=level_list, balance=balance, min_share=min_share, max_share=max_share,
                                 heldout_docs_per_shard=heldout_docs_per_shard, overlap_top2=overlap_top2,
-                                tokenizer=tokenizer, vocab_size=vocab_size)
+                                tokenizer=tokenizer, vocab_size=vocab_size, featurizer=featurizer)
     table = Table(title=f"{paths} shards in {out}")
     for column in ("path", "docs", "tokens", "top domain"):
         table.add_column(column, justify="left" if column == "top domain" else "right")

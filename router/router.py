@@ -38,6 +38,7 @@ from sklearn.cluster import KMeans
 from threadpoolctl import threadpool_limits
 
 from router.features import FeatureConfig, fit_features, transform
+from router.model_features import ModelFeaturizer
 
 ROUTER_FORMAT = 1
 HEAD_ROUTER_FORMAT = 2
@@ -70,6 +71,8 @@ class Router:
     """(num_paths, dims) linear head (discriminative re-routing); None: route by the centroids."""
     head_intercept: np.ndarray | None = None
     """(num_paths,) intercepts of the linear head (set together with head_weight)."""
+    model: ModelFeaturizer | None = None
+    """Features from a path model's hidden states instead of hashed n-grams (see router.model_features)."""
 
     @property
     def num_paths(self) -> int:
@@ -81,6 +84,8 @@ class Router:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """Prefix features, shape (len(texts), dims); only the first prefix_tokens bytes of a text matter."""
+        if self.model is not None:
+            return self.model.embed(texts, prefix_tokens=self.prefix_tokens).astype(np.float64)
         return transform(texts, self.features, self.idf, self.components)
 
     def scores(self, x: np.ndarray) -> np.ndarray:
@@ -112,11 +117,11 @@ class Router:
         if self.bias is not None:
             arrays["bias"] = self.bias
         if self.head_weight is not None:
-            if self.head_intercept is None or self.head_weight.shape != (self.num_paths, self.components.shape[0]) \
+            if self.head_intercept is None or self.head_weight.shape != (self.num_paths, self.centroids.shape[1]) \
                     or self.head_intercept.shape != (self.num_paths,):
                 raise RouterError(f"linear head {self.head_weight.shape} / intercept "
                                   f"{None if self.head_intercept is None else self.head_intercept.shape} does "
-                                  f"not fit {self.num_paths} paths x {self.components.shape[0]} dims")
+                                  f"not fit {self.num_paths} paths x {self.centroids.shape[1]} dims")
             arrays["head_weight"] = self.head_weight
             arrays["head_intercept"] = self.head_intercept
         save_file(arrays, str(tmp))
@@ -127,6 +132,9 @@ class Router:
                   "balanced": self.bias is not None}
         if self.head_weight is not None:
             config["head"] = True  # absent for k-means routers: their router.json is unchanged
+        if self.model is not None:
+            self.model.save(directory)
+            config["model_features"] = True  # absent for n-gram routers: their router.json is unchanged
         tmp = directory / f".{CONFIG_FILE}.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, directory / CONFIG_FILE)
@@ -147,6 +155,8 @@ class Router:
                      idf=arrays["idf"], components=arrays["svd_components"], centroids=arrays["centroids"],
                      bias=arrays.get("bias"), levels=tuple(config["levels"]) if config.get("levels") else None,
                      head_weight=arrays.get("head_weight"), head_intercept=arrays.get("head_intercept"))
+        if config.get("model_features"):
+            router.model = ModelFeaturizer.load(directory)
         if bool(config.get("head")) != (router.head_weight is not None and router.head_intercept is not None):
             raise RouterError(f"{directory}: {CONFIG_FILE} says head={config.get('head')}, the weights disagree")
         if router.num_paths != config["num_paths"] or router.idf.shape != (router.features.n_features,):
@@ -231,6 +241,7 @@ def fit_router(
     svd_dims: int = 32,
     n_init: int = 10,
     levels: list[int] | None = None,
+    model: ModelFeaturizer | None = None,
 ) -> Router:
     """Fit the featurizer and k-means (product k-means when `levels` has two or more entries) on the training
     documents (only their prefixes are used). The returned router is unbalanced; see `router.balance`."""
@@ -251,7 +262,10 @@ def fit_router(
     # and the shards must be byte-for-byte reproducible. The data is small, so this costs little.
     with threadpool_limits(limits=1):
         idf, components = fit_features(prefixes, features, seed=seed)
-        x = transform(prefixes, features, idf, components)
+        if model is None:
+            x = transform(prefixes, features, idf, components)
+        else:  # the run's own model (paper §2.4); the n-gram arrays are kept so the router files stay uniform
+            x = model.embed(prefixes, prefix_tokens=prefix_tokens).astype(np.float64)
         if levels is None:
             centroids = _kmeans(x, num_paths, seed=seed, n_init=n_init, what="paths")
         else:
@@ -262,4 +276,4 @@ def fit_router(
                          for i, (b, k) in enumerate(zip(blocks, levels, strict=True))]
             centroids = product_centroids(per_level, blocks)
     return Router(features=features, seed=seed, idf=idf, components=components, centroids=centroids,
-                  levels=tuple(levels) if levels else None)
+                  levels=tuple(levels) if levels else None, model=model)

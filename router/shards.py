@@ -27,6 +27,7 @@ import numpy as np
 
 from router.balance import BalanceError, fit_bias, token_shares
 from router.corpus import MANIFEST_FILE, TRAIN_FILE, CorpusError, iter_jsonl
+from router.model_features import ModelFeaturizer
 from router.router import Router, fit_router
 from router.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
@@ -163,6 +164,7 @@ def shard_corpus(
     overlap_top2: bool = False,
     tokenizer: str = "byte",
     vocab_size: int = 8192,
+    featurizer: ModelFeaturizer | None = None,
 ) -> dict[str, Any]:
     """Fit the router on the train split, write one token file per path, the router and the manifest.
 
@@ -236,7 +238,7 @@ def shard_corpus(
         levels = list(router.levels) if router.levels else None
     else:
         router = fit_router(fit_texts, num_paths=num_paths, prefix_tokens=prefix_tokens, seed=seed,
-                            levels=levels)
+                            levels=levels, model=featurizer)
     s = _route_scores(router, prefix_texts, batch_docs)
     # A given router's own offsets are the starting point ("unbalanced" = routed as given); balancing adds to them.
     start = router.bias if given and router.bias is not None else np.zeros(num_paths)
