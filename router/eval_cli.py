@@ -26,9 +26,11 @@ from rich.table import Table
 
 from modules import CodecError, ModelConfig, build_path, decode
 from modules.model import PathModel
+from router.bpe import TOKENIZER_FILE, BPETokenizer
 from router.corpus import CorpusError, iter_jsonl
 from router.evaluate import EvalResult, evaluate_routed
 from router.router import Router, RouterError
+from router.tokenizer import ByteTokenizer
 
 REQUEST_TIMEOUT_S = 60.0
 """One module download (a few MB to a few hundred MB over a LAN) must finish within this."""
@@ -114,6 +116,15 @@ def fetch_run_paths(client: httpx.Client, run_id: int) -> RunPaths:
     return RunPaths(run=run, config=config, modules=per_path, client=client)
 
 
+def find_tokenizer(router_or_shards: Path) -> BPETokenizer | None:
+    """The BPE tokenizer saved with the shards (`tokenizer.json` in the shard directory, next to `router/`), if
+    the shards were cut with one; None for byte-level shards."""
+    for candidate in (router_or_shards / TOKENIZER_FILE, router_or_shards.parent / TOKENIZER_FILE):
+        if candidate.is_file():
+            return BPETokenizer.load(candidate)
+    return None
+
+
 def load_router(directory: Path) -> Router:
     """A saved router from its own directory or from a shard directory holding it in `router/`."""
     if not (directory / "router.json").is_file() and (directory / "router" / "router.json").is_file():
@@ -137,13 +148,19 @@ def evaluate_run(
     every: int | None = None,
     stride: int | None = None,
     batch_size: int = 256,
+    tokenizer: BPETokenizer | None = None,
 ) -> EvalResult:
-    """Routed evaluation of a run's current module versions; the client carries base URL and bearer token."""
+    """Routed evaluation of a run's current module versions; the client carries base URL and bearer token.
+    `tokenizer`: the BPE tokenizer the run's shards were cut with (None: bytes)."""
     run_paths = fetch_run_paths(client, run_id)
     if router.num_paths != run_paths.num_paths:
         raise EvalError(f"the router has {router.num_paths} paths, run {run_id} has {run_paths.num_paths}")
+    vocab = tokenizer.vocab_size if tokenizer is not None else ByteTokenizer.vocab_size
+    if vocab > run_paths.config.vocab_size:
+        raise EvalError(f"the tokenizer has {vocab} tokens, run {run_id}'s model only {run_paths.config.vocab_size}")
     result = evaluate_routed(run_paths.build, router, documents, prefix_tokens=router.prefix_tokens,
-                             context=run_paths.config.seq_len, every=every, stride=stride, batch_size=batch_size)
+                             context=run_paths.config.seq_len, every=every, stride=stride, batch_size=batch_size,
+                             tokenizer=tokenizer)
     result.extra.update({"run_id": run_id, "run_name": run_paths.run["name"],
                          "round": run_paths.run["current_round"],
                          "module_versions": [[m["version"] for m in ms] for ms in run_paths.modules]})
@@ -204,9 +221,10 @@ def eval_command(
     with _user_errors(console):
         routing = load_router(router)
         documents = load_documents(corpus, split)
+        tokenizer = find_tokenizer(router)
         with _client(coordinator, token) as client:
             result = evaluate_run(client, run_id=run, router=routing, documents=documents, every=every,
-                                  batch_size=batch_size)
+                                  batch_size=batch_size, tokenizer=tokenizer)
     if json_output:
         typer.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
         return

@@ -27,8 +27,9 @@ RUN = {"model": {"flavour": "debug", "d_model": 32, "seq_len": 48, "n_heads": 2,
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(data_dir=tmp_path / "coord", database_url=f"sqlite:///{tmp_path / 'r.db'}",
-                        admin_token=ADMIN, join_token=JOIN)  # type: ignore[arg-type]
+    settings = Settings(
+        data_dir=tmp_path / "coord", database_url=f"sqlite:///{tmp_path / 'r.db'}", admin_token=ADMIN, join_token=JOIN
+    )  # type: ignore[arg-type]
     with TestClient(create_app(settings)) as client:
         client.headers.update(A)
         yield client
@@ -39,8 +40,9 @@ def heldout(corpus_dir: Path) -> list[str]:
     return [d["text"] for d in iter_jsonl(corpus_dir / "heldout.jsonl")][:30]
 
 
-def test_evaluate_run_matches_local_paths(coordinator: TestClient, shards4: tuple[Path, dict[str, Any]],
-                                          heldout: list[str]) -> None:
+def test_evaluate_run_matches_local_paths(
+    coordinator: TestClient, shards4: tuple[Path, dict[str, Any]], heldout: list[str]
+) -> None:
     run = create_running_run(coordinator, **RUN)
     router = load_router(shards4[0])
     result = evaluate_run(coordinator, run_id=run["id"], router=router, documents=heldout)
@@ -54,8 +56,9 @@ def test_evaluate_run_matches_local_paths(coordinator: TestClient, shards4: tupl
     assert result.num_tokens == sum(len(t.encode()) + 1 - 32 for t in heldout)
 
 
-def test_router_and_run_must_agree(coordinator: TestClient, corpus_dir: Path, tmp_path: Path,
-                                   heldout: list[str]) -> None:
+def test_router_and_run_must_agree(
+    coordinator: TestClient, corpus_dir: Path, tmp_path: Path, heldout: list[str]
+) -> None:
     from router.shards import shard_corpus
 
     shard_corpus(corpus_dir, tmp_path / "s2", num_paths=2)
@@ -72,8 +75,13 @@ def _app() -> typer.Typer:
     return app
 
 
-def test_eval_command_table_and_json(coordinator: TestClient, corpus_dir: Path, tmp_path: Path,
-                                     shards4: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eval_command_table_and_json(
+    coordinator: TestClient,
+    corpus_dir: Path,
+    tmp_path: Path,
+    shards4: tuple[Path, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     run = create_running_run(coordinator, **RUN)
     lines = (corpus_dir / "heldout.jsonl").read_text().splitlines(keepends=True)[:12]
     (tmp_path / "small.jsonl").write_text("".join(lines))
@@ -84,8 +92,22 @@ def test_eval_command_table_and_json(coordinator: TestClient, corpus_dir: Path, 
         yield coordinator
 
     monkeypatch.setattr(eval_cli, "_client", fake_client)
-    args = ["--coordinator", "http://coord", "--run", str(run["id"]), "--router", str(shards4[0]),
-            "--corpus", str(tmp_path), "--split", "small", "--token", "t0k", "--every", "32"]
+    args = [
+        "--coordinator",
+        "http://coord",
+        "--run",
+        str(run["id"]),
+        "--router",
+        str(shards4[0]),
+        "--corpus",
+        str(tmp_path),
+        "--split",
+        "small",
+        "--token",
+        "t0k",
+        "--every",
+        "32",
+    ]
     result = CliRunner().invoke(_app(), args)
     assert result.exit_code == 0, result.output
     assert "perplexity" in result.output and "re-routed every 32" in result.output
@@ -96,8 +118,9 @@ def test_eval_command_table_and_json(coordinator: TestClient, corpus_dir: Path, 
     assert body["num_documents"] + body["skipped_documents"] == 12
 
 
-def test_eval_command_errors(corpus_dir: Path, shards4: tuple[Path, dict[str, Any]],
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eval_command_errors(
+    corpus_dir: Path, shards4: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("DIPACO_TOKEN", raising=False)
     monkeypatch.delenv("DIPACO_ADMIN_TOKEN", raising=False)
     base = ["--coordinator", "http://127.0.0.1:9", "--run", "1", "--router", str(shards4[0])]
@@ -107,3 +130,25 @@ def test_eval_command_errors(corpus_dir: Path, shards4: tuple[Path, dict[str, An
     assert result.exit_code == 1 and "no 'nope' split" in result.output
     result = CliRunner().invoke(_app(), [*base, "--corpus", str(corpus_dir), "--token", "t"])
     assert result.exit_code == 1 and "cannot reach the coordinator" in result.output
+
+
+def test_bpe_shards_are_evaluated_with_their_tokenizer(
+    coordinator: TestClient, corpus_dir: Path, tmp_path: Path, heldout: list[str]
+) -> None:
+    pytest.importorskip("tokenizers", reason="the BPE tokenizer needs the `tokenizers` package")
+    from router.eval_cli import find_tokenizer
+    from router.shards import shard_corpus
+
+    shard_corpus(corpus_dir, tmp_path / "bpe", num_paths=4, tokenizer="bpe", vocab_size=400)
+    tokenizer = find_tokenizer(tmp_path / "bpe" / "router")
+    assert tokenizer is not None and tokenizer.vocab_size <= 400
+    assert find_tokenizer(tmp_path) is None  # byte-level: nothing to find
+    router = load_router(tmp_path / "bpe")
+    small = create_running_run(coordinator, **RUN)  # vocab 257 < the tokenizer's
+    with pytest.raises(EvalError, match=f"run {small['id']}'s model only 257"):
+        evaluate_run(coordinator, run_id=small["id"], router=router, documents=heldout, tokenizer=tokenizer)
+    model = {**RUN["model"], "vocab_size": 400}
+    run = create_running_run(coordinator, name="bpe", model=model)
+    result = evaluate_run(coordinator, run_id=run["id"], router=router, documents=heldout, tokenizer=tokenizer)
+    expected = sum(max(0, len(tokenizer.encode(t)) + 1 - 32) for t in heldout)
+    assert result.num_tokens == expected and result.num_tokens < sum(len(t.encode()) + 1 - 32 for t in heldout)
