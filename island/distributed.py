@@ -3,8 +3,9 @@
 How work reaches the other ranks (all over the island's own process group, never over the network to the
 coordinator):
   1. rank 0 leases, downloads and composes the path as a single-process island would;
-  2. it broadcasts a small JSON command (`broadcast_object_list`): the lease, whether to resume the inner AdamW
-     state, and which lease that state belongs to;
+  2. it broadcasts a small JSON command (its length, then its UTF-8 bytes as a uint8 tensor: no pickle, unlike
+     `broadcast_object_list`): the lease, whether to resume the inner AdamW state, and which lease that state
+     belongs to;
   3. it broadcasts the lease's token range as one int64 tensor (followers need neither the cache nor HTTP);
   4. every follower builds the path's architecture and wraps it in DDP, whose constructor broadcasts rank 0's
      parameters, so every rank starts from the downloaded weights;
@@ -21,6 +22,7 @@ MASTER_ADDR / MASTER_PORT from the environment; rank > 0 becomes a follower).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -106,7 +108,7 @@ class Leader:
         self._last_keepalive = 0.0
 
     def _send(self, command: dict[str, Any]) -> None:
-        dist.broadcast_object_list([command], src=0, device=self.device if self.device.type == "cuda" else None)
+        send_json(command, self.device)
 
     def announce(self, lease: LeasePublic, tokens: torch.Tensor, *, resume: bool, accepted_lease: int | None) -> None:
         """Send a lease and its token range to every follower."""
@@ -131,8 +133,28 @@ class Leader:
     def stop(self) -> None:
         try:
             self._send({"op": "stop"})
+            dist.barrier()  # every rank has the stop before the group goes away (gloo aborts otherwise)
         finally:
             dist.destroy_process_group()
+
+
+def send_json(command: dict[str, Any], device: torch.device) -> None:
+    """Rank 0: broadcast a JSON-able command as its length and its UTF-8 bytes."""
+    data = json.dumps(command).encode()
+    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=device), src=0)
+    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), src=0)
+
+
+def recv_json(device: torch.device) -> dict[str, Any]:
+    """Other ranks: receive a command sent with `send_json`."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    command = json.loads(bytes(data.cpu().tolist()).decode())
+    if not isinstance(command, dict) or "op" not in command:
+        raise RuntimeError(f"rank 0 sent an invalid command: {command!r}")
+    return command
 
 
 @dataclass(slots=True)
@@ -153,17 +175,14 @@ class Follower:
         self.leases_trained = 0
 
     def _recv(self) -> dict[str, Any]:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
-        command = box[0]
-        assert isinstance(command, dict), f"rank 0 sent {command!r}"
-        return command
+        return recv_json(self.device)
 
     def run(self) -> int:
         try:
             while True:
                 command = self._recv()
                 if command["op"] == "stop":
+                    dist.barrier()
                     return 0
                 if command["op"] == "train":
                     self._train(command)

@@ -95,6 +95,7 @@ def _inner_phase_worker(rank: int, world: int, port: int, out: str) -> None:
     inner_phase(model, optimizer, batches, INNER, first_step=0, device=torch.device("cpu"), ranks=ranks)
     if rank == 0:
         Path(out).write_bytes(encode(pseudo_gradient(base, model.state_dict())))
+    dist.barrier()  # no rank tears the group down while another still talks to it
     dist.destroy_process_group()
 
 
