@@ -428,7 +428,8 @@ async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
                 await beat
 
             await asyncio.gather(*[island(j) for j in joined])
-        with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+        # an overloaded coordinator is still working through requests whose clients gave up: give it time
+        with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
             stored = admin.get("/v1/contributions", params={"run_id": run["id"], "limit": 1}).json()["count"]
             rounds = admin.get(f"/v1/runs/{run['id']}").json()["current_round"]
     finally:
