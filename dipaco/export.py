@@ -29,7 +29,9 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 
 from modules import ModelConfig, PathModel, compose_state
-from router.eval_cli import REQUEST_TIMEOUT_S, EvalError, fetch_run_paths, load_router
+
+# `_client`: the commands' one HTTP client, shared with `dipaco eval` (tests swap it here)
+from router.eval_cli import EvalError, _client, fetch_run_paths, load_router
 from router.router import RouterError
 from router.tokenizer import ByteTokenizer
 
@@ -133,14 +135,6 @@ def routed_model(client: httpx.Client, *, run_id: int, router_dir: Path, prompt:
 
 
 # ----------------------------------------------------------------------------------------------------- CLI
-
-
-@contextmanager
-def _client(coordinator: str, token: str) -> Iterator[httpx.Client]:
-    """The one client of a command (tests swap in the coordinator app's TestClient here)."""
-    with httpx.Client(base_url=coordinator, headers={"Authorization": f"Bearer {token}"},
-                      timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as client:
-        yield client
 
 
 @contextmanager
