@@ -87,26 +87,38 @@ def get_module(session: Session, module_id: int) -> Module:
     return m
 
 
-def path_public(session: Session, p: Path) -> PathPublic:
-    rows = session.execute(
-        select(PathModule.module_id, Module.index)
+def paths_public(session: Session, paths: list[Path]) -> list[PathPublic]:
+    """Public views of a page of paths: two queries for the whole page, not two per path."""
+    modules: dict[int, list[tuple[int, int]]] = {p.id: [] for p in paths}
+    for path_id, module_id, module_index in session.execute(
+        select(PathModule.path_id, PathModule.module_id, Module.index)
         .join(Module, Module.id == PathModule.module_id)
-        .where(PathModule.path_id == p.id)
-        .order_by(PathModule.level_index)
-    ).all()
-    shard_id = session.scalar(select(Shard.id).where(Shard.run_id == p.run_id, Shard.path_index == p.index))
-    return PathPublic(
-        id=p.id,
-        run_id=p.run_id,
-        index=p.index,
-        module_ids=[r[0] for r in rows],
-        module_indices=[r[1] for r in rows],
-        shard_id=shard_id,
-        epoch=p.epoch,
-        token_offset=p.token_offset,
-        tokens_trained=p.tokens_trained,
-        last_train_loss=p.last_train_loss,
-    )
+        .where(PathModule.path_id.in_(list(modules)))
+        .order_by(PathModule.path_id, PathModule.level_index)
+    ):
+        modules[path_id].append((module_id, module_index))
+    run_ids = {p.run_id for p in paths}
+    shards = {
+        (run_id, path_index): shard_id
+        for shard_id, run_id, path_index in session.execute(
+            select(Shard.id, Shard.run_id, Shard.path_index).where(Shard.run_id.in_(run_ids))
+        )
+    }
+    return [
+        PathPublic(
+            id=p.id,
+            run_id=p.run_id,
+            index=p.index,
+            module_ids=[m[0] for m in modules[p.id]],
+            module_indices=[m[1] for m in modules[p.id]],
+            shard_id=shards.get((p.run_id, p.index)),
+            epoch=p.epoch,
+            token_offset=p.token_offset,
+            tokens_trained=p.tokens_trained,
+            last_train_loss=p.last_train_loss,
+        )
+        for p in paths
+    ]
 
 
 def list_paths(session: Session, *, run_id: int | None, offset: int, limit: int) -> tuple[list[PathPublic], int]:
@@ -114,14 +126,14 @@ def list_paths(session: Session, *, run_id: int | None, offset: int, limit: int)
     if run_id is not None:
         q = q.where(Path.run_id == run_id)
     rows, count = _page(session, q, offset=offset, limit=limit)
-    return [path_public(session, p) for p in rows], count
+    return paths_public(session, rows), count
 
 
 def get_path(session: Session, path_id: int) -> PathPublic:
     p = session.get(Path, path_id)
     if p is None:
         raise NotFound(f"path {path_id} does not exist")
-    return path_public(session, p)
+    return paths_public(session, [p])[0]
 
 
 def island_public(i: Island) -> IslandPublic:
