@@ -11,6 +11,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -151,6 +152,11 @@ class Island(Base):
 
 class Lease(Base):
     __tablename__ = "leases"
+    # lease requests look up the busy paths of one round; upload checks look for a path's lease in a round
+    __table_args__ = (
+        Index("ix_leases_run_id_round", "run_id", "round"),
+        Index("ix_leases_path_id_round", "path_id", "round"),
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     island_id: Mapped[int] = mapped_column(ForeignKey("islands.id", ondelete="CASCADE"), index=True)
@@ -168,7 +174,11 @@ class Lease(Base):
 class Contribution(Base):
     __tablename__ = "contributions"
     # one contribution per lease, and per path and round (a second upload for a path is refused, even racing)
-    __table_args__ = (UniqueConstraint("lease_id"), UniqueConstraint("path_id", "round"))
+    __table_args__ = (
+        UniqueConstraint("lease_id"),
+        UniqueConstraint("path_id", "round"),
+        Index("ix_contributions_run_id_round", "run_id", "round"),  # a round's count at every upload
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     lease_id: Mapped[int] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"))
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
