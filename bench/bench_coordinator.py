@@ -14,12 +14,13 @@ import argparse
 import asyncio
 import json
 import os
+import random
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -69,7 +70,7 @@ def start_coordinator(data_dir: Path, database_url: str, *, workers: int = 1) ->
             "--database-url",
             database_url,
             "--log-level",
-            "warning",
+            os.environ.get("BENCH_LOG_LEVEL", "warning"),
             "--workers",
             str(workers),
         ],
@@ -139,47 +140,70 @@ HEARTBEAT_S = 10.0
 """Simulated islands heartbeat at the coordinator's default interval."""
 TRAIN_S = 2.0
 """Simulated inner phase of one lease."""
+LEASE_WAIT_S = 10.0
+"""Simulated islands long-poll for work like real ones (island `--lease-wait` default)."""
 
 
 # ---------------------------------------------------------------------------------------------- upload
 
 
-def raw_socket_mb_s(payload: bytes) -> float:
-    """Send the bytes over a loopback TCP socket to a reader that acknowledges; MB/s."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    port = server.getsockname()[1]
+RAW_READER = r"""
+import socket, sys
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(1)
+print(server.getsockname()[1], flush=True)
+buf = memoryview(bytearray(1 << 20))  # one reused receive buffer
+while True:
+    conn, _ = server.accept()
+    with conn:
+        head = b""
+        while len(head) < 8:
+            head += conn.recv(8 - len(head))
+        left = int.from_bytes(head, "little")
+        while left > 0:
+            got = conn.recv_into(buf)
+            if not got:
+                break
+            left -= got
+        conn.sendall(b"ok")
+"""
+"""A loopback receiver in a process of its own (like the coordinator): length, bytes, then "ok"."""
 
-    def reader() -> None:
-        conn, _ = server.accept()
-        with conn:
-            left = len(payload)
-            while left:
-                chunk = conn.recv(1 << 20)
-                if not chunk:
-                    break
-                left -= len(chunk)
-            conn.sendall(b"ok")
 
-    t = threading.Thread(target=reader)
-    t.start()
+def start_raw_reader() -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([sys.executable, "-c", RAW_READER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def raw_socket_mb_s(payload: bytes, port: int) -> float:
+    """Send the bytes over a loopback TCP connection to the reader process and wait for its ack; MB/s."""
     start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(len(payload).to_bytes(8, "little"))
         s.sendall(payload)
-        s.recv(2)
-    elapsed = time.perf_counter() - start
-    t.join()
-    server.close()
-    return len(payload) / 1e6 / elapsed
+        if s.recv(2) != b"ok":
+            raise RuntimeError("raw reader did not acknowledge")
+    return len(payload) / 1e6 / (time.perf_counter() - start)
 
 
 def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
+    """Upload + accept vs the raw transfer, measured back to back per repeat.
+
+    The client sends like the island (`island.client._chunks`: 1 MiB slices and an explicit Content-Length).
+    `send_s` is until the client handed over the last byte, `tail_s` from then to the response: the server's
+    rest of the spool, validation, fsync + rename and the database commit.
+    """
+    from island.client import _chunks
+
     tmp = Path(tempfile.mkdtemp(prefix="dipaco-bench-"))
     proc, url = start_coordinator(tmp / "coordinator", f"sqlite:///{tmp / 'r.db'}")
+    reader, raw_port = start_raw_reader()
     try:
         admin = httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {ADMIN}"})
-        layout = "embed:shared, b0-1:routed4, head:shared"  # 4 paths: 3 uploads never close the round
+        # one path more than uploads (at least 4), so the round never closes and every upload is a fresh path
+        layout = f"embed:shared, b0-1:routed{max(4, repeats + 1)}, head:shared"
         spec = {
             "name": "upload",
             "model": big_model(mb),
@@ -197,30 +221,50 @@ def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
         for _ in range(repeats):
             lease = admin.post(f"/v1/islands/{island['island_id']}/lease", headers=h).json()
             payload = grads_for(lease)
-            raw = raw_socket_mb_s(payload)
+            raw = raw_socket_mb_s(payload, raw_port)
+            sent = 0.0
+
+            def body(payload: bytes = payload) -> Any:  # memoryview slices: httpx's hints say bytes, h11 takes any
+                nonlocal sent
+                yield from _chunks(payload)
+                sent = time.perf_counter()
+
             start = time.perf_counter()
             r = admin.post(
                 f"/v1/leases/{lease['lease_id']}/outer-gradients",
-                content=payload,
+                content=body(),
                 headers={
                     **h,
                     "X-Dipaco-Round": str(lease["round"]),
                     "X-Dipaco-Tokens": "1",
                     "X-Dipaco-Train-Loss": "1.0",
                     "Content-Type": "application/octet-stream",
+                    "Content-Length": str(len(payload)),
                 },
             )
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
             r.raise_for_status()
-            up = len(payload) / 1e6 / elapsed
+            up = len(payload) / 1e6 / (end - start)
             admin.post(f"/v1/leases/{lease['lease_id']}/release", headers=h)
-            rows.append({"payload_mb": len(payload) / 1e6, "upload_mb_s": up, "raw_mb_s": raw, "ratio": up / raw})
+            rows.append(
+                {
+                    "payload_mb": round(len(payload) / 1e6, 1),
+                    "upload_mb_s": round(up),
+                    "raw_mb_s": round(raw),
+                    "ratio": round(up / raw, 3),
+                    "send_s": round(sent - start, 3),
+                    "tail_s": round(end - sent, 3),
+                }
+            )
             # the next lease takes the other path: release does not apply, so the round stays open
         ratio = statistics.median(r["ratio"] for r in rows)
         return {"bench": "upload", "rows": rows, "median_ratio": ratio, "target": 0.5, "ok": ratio >= 0.5}
     finally:
+        reader.kill()
+        reader.wait()
         proc.terminate()
         proc.wait()
+        shutil.rmtree(tmp / "coordinator", ignore_errors=True)  # the blobs (~6 x payload); the log stays
 
 
 # ------------------------------------------------------------------------------------------- aggregate
@@ -338,7 +382,7 @@ def bench_aggregate(mb: float, ks: list[int]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- islands
 
 
-async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
+async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ramp_s: float) -> dict[str, Any]:
     url_db = pg_database()
     tmp = Path(tempfile.mkdtemp(prefix="dipaco-islands-"))
     proc, url = start_coordinator(tmp / "coordinator", url_db, workers=workers)
@@ -359,24 +403,30 @@ async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
         with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
             run = create_run(admin, spec, num_tokens=200)
         LAYOUT_OF[run["id"]] = layout
-        limits = httpx.Limits(max_connections=2 * n, max_keepalive_connections=2 * n)  # lease loop + heartbeats
-        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as joiner:
             joined = await asyncio.gather(
                 *[
-                    client.post("/v1/islands", json={"name": f"sim-{i}"}, headers={"Authorization": f"Bearer {JOIN}"})
+                    joiner.post("/v1/islands", json={"name": f"sim-{i}"}, headers={"Authorization": f"Bearer {JOIN}"})
                     for i in range(n)
                 ]
             )
             stop = time.monotonic() + seconds
             payloads: dict[int, bytes] = {}
+            rng = random.Random(0)
+            trace: list[tuple[float, str, float, int]] = []
+            t0 = time.perf_counter()
 
             async def timed(kind: str, coro: Any) -> httpx.Response:
                 t = time.perf_counter()
                 r = await coro
-                latencies[kind].append((time.perf_counter() - t) * 1000)
+                # a long-polled lease request is held on purpose while there is no work: not latency
+                held = float(r.headers.get("X-Dipaco-Held-Ms", 0))
+                latencies[kind].append((time.perf_counter() - t) * 1000 - held)
+                trace.append((t - t0, kind, latencies[kind][-1], r.status_code))
                 return r
 
-            async def heartbeats(iid: int, h: dict[str, str]) -> None:
+            async def heartbeats(client: httpx.AsyncClient, iid: int, h: dict[str, str]) -> None:
                 # like a real island: a heartbeat every interval, in the background
                 await asyncio.sleep(HEARTBEAT_S * (iid % 100) / 100)  # spread the islands over the interval
                 while time.monotonic() < stop:
@@ -386,48 +436,60 @@ async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
                         errors.append(f"heartbeat {exc!r}")
                     await asyncio.sleep(HEARTBEAT_S)
 
-            async def island(j: httpx.Response) -> None:
+            async def island(j: httpx.Response, start_after: float) -> None:
                 nonlocal accepted
+                await asyncio.sleep(start_after)  # islands come up over `ramp_s`, as a pool of machines does
                 body = j.json()
                 iid, h = body["island_id"], {"Authorization": f"Bearer {body['token']}"}
-                beat = asyncio.create_task(heartbeats(iid, h))
-                while time.monotonic() < stop:
-                    try:
-                        r = await timed("lease", client.post(f"/v1/islands/{iid}/lease", headers=h))
-                    except httpx.HTTPError as exc:
-                        errors.append(f"lease {exc!r}")
-                        continue
-                    if r.status_code == 200:
-                        lease = r.json()
-                        key = lease["path_index"]
-                        if key not in payloads:
-                            payloads[key] = grads_for(lease)
-                        await asyncio.sleep(TRAIN_S)  # "training"
-                        u = await timed(
-                            "upload",
-                            client.post(
-                                f"/v1/leases/{lease['lease_id']}/outer-gradients",
-                                content=payloads[key],
-                                headers={
-                                    **h,
-                                    "X-Dipaco-Round": str(lease["round"]),
-                                    "X-Dipaco-Tokens": "1",
-                                    "X-Dipaco-Train-Loss": "1.0",
-                                },
-                            ),
-                        )
-                        if u.status_code == 200:
-                            accepted += 1
-                        elif u.status_code != 409:
-                            errors.append(f"upload {u.status_code} {u.text[:200]}")
-                    elif r.status_code == 204:
-                        await asyncio.sleep(float(r.headers.get("Retry-After", "2")))
-                    else:
-                        errors.append(f"lease {r.status_code} {r.text[:200]}")
-                        await asyncio.sleep(1.0)
-                await beat
+                # like a real island: its own connections (a shared pool of hundreds of connections is slow)
+                async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                    beat = asyncio.create_task(heartbeats(client, iid, h))
+                    while time.monotonic() < stop:
+                        try:
+                            r = await timed(
+                                "lease",
+                                client.post(f"/v1/islands/{iid}/lease", params={"wait": LEASE_WAIT_S}, headers=h),
+                            )
+                        except httpx.HTTPError as exc:
+                            errors.append(f"lease {exc!r}")
+                            continue
+                        if r.status_code == 200:
+                            lease = r.json()
+                            key = len(lease["modules"])  # every path has the same tensor names and shapes: encode once
+                            if key not in payloads:
+                                payloads[key] = grads_for(lease)
+                            await asyncio.sleep(train_s * rng.uniform(0.7, 1.3))  # "training" (islands differ)
+                            try:
+                                u = await timed(
+                                    "upload",
+                                    client.post(
+                                        f"/v1/leases/{lease['lease_id']}/outer-gradients",
+                                        content=payloads[key],
+                                        headers={
+                                            **h,
+                                            "X-Dipaco-Round": str(lease["round"]),
+                                            "X-Dipaco-Tokens": "1",
+                                            "X-Dipaco-Train-Loss": "1.0",
+                                        },
+                                    ),
+                                )
+                            except httpx.HTTPError as exc:
+                                errors.append(f"upload {exc!r}")
+                                continue
+                            if u.status_code == 200:
+                                accepted += 1
+                            elif u.status_code != 409:
+                                errors.append(f"upload {u.status_code} {u.text[:200]}")
+                        elif r.status_code == 204:
+                            await asyncio.sleep(float(r.headers.get("Retry-After", "2")))
+                        else:
+                            errors.append(f"lease {r.status_code} {r.text[:200]}")
+                            await asyncio.sleep(1.0)
+                    await beat
 
-            await asyncio.gather(*[island(j) for j in joined])
+            await asyncio.gather(*[island(j, ramp_s * i / n) for i, j in enumerate(joined)])
+            if os.environ.get("BENCH_TRACE"):
+                Path(os.environ["BENCH_TRACE"]).write_text(json.dumps(trace))
         # an overloaded coordinator is still working through requests whose clients gave up: give it time
         with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
             stored = admin.get("/v1/contributions", params={"run_id": run["id"], "limit": 1}).json()["count"]
@@ -448,6 +510,8 @@ async def bench_islands(n: int, seconds: float, workers: int) -> dict[str, Any]:
         "islands": n,
         "workers": workers,
         "seconds": seconds,
+        "train_s": train_s,
+        "ramp_s": ramp_s,
         "latency": summary,
         "p99_all_ms": p99,
         "accepted": accepted,
@@ -462,18 +526,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["upload", "aggregate", "islands"])
     ap.add_argument("--mb", type=float, default=100.0)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="upload: raw + upload pairs, each a fresh path")
     ap.add_argument("--ks", default="4,16,64")
     ap.add_argument("--islands", type=int, default=256)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--train-s", type=float, default=TRAIN_S, help="mean simulated inner phase of a lease (s)")
+    ap.add_argument("--ramp-s", type=float, default=0.0, help="islands start evenly over this many seconds")
     args = ap.parse_args()
     if args.which == "upload":
         result = bench_upload(args.mb, args.repeats)
     elif args.which == "aggregate":
         result = bench_aggregate(args.mb, [int(k) for k in args.ks.split(",")])
     else:
-        result = asyncio.run(bench_islands(args.islands, args.seconds, args.workers))
+        result = asyncio.run(bench_islands(args.islands, args.seconds, args.workers, args.train_s, args.ramp_s))
     print(json.dumps(result, indent=2))
     sys.exit(0 if result["ok"] else 1)
 

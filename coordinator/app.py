@@ -26,6 +26,7 @@ from coordinator.services.leases import expire_stale_leases
 from coordinator.services.rounds import apply_ready_rounds
 from coordinator.settings import Settings
 from coordinator.timeutil import utcnow
+from coordinator.work import work_signature
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,11 @@ def sweep(state: AppState) -> None:
     with state.sessions() as session:
         state.metrics.lease_expiries.inc(expire_stale_leases(session, now=now))
         session.commit()
-        state.metrics.rounds_applied.inc(apply_ready_rounds(session, state.blobs, now=now, faults=state.faults))
+        state.metrics.rounds_applied.inc(
+            apply_ready_rounds(session, state.blobs, now=now, faults=state.faults, affinity=state.affinity)
+        )
+        state.work.notify_if_changed(work_signature(session))
+        session.rollback()
 
 
 async def _sweeper(state: AppState) -> None:
@@ -74,11 +79,14 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(settings, clock=clock)
+        state.work.bind(asyncio.get_running_loop())
         app.state.dipaco = state
         if state.tokens.generated_file is not None:
             log.info("admin and join tokens are in %s", state.tokens.generated_file)
         with state.sessions() as session:
-            recovered = apply_ready_rounds(session, state.blobs, now=clock(), faults=state.faults)
+            recovered = apply_ready_rounds(
+                session, state.blobs, now=clock(), faults=state.faults, affinity=state.affinity
+            )
             if recovered:
                 log.info("applied %d complete round(s) left over from before a restart", recovered)
         sweeper = asyncio.create_task(_sweeper(state))

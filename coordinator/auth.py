@@ -84,14 +84,15 @@ def authenticate(session: Session, tokens: ServiceTokens, authorization: str | N
         return Principal(scope="admin")
     if hmac.compare_digest(digest, tokens.join_hash):
         return Principal(scope="join")
-    island = session.scalar(select(Island).where(Island.token_hash == digest))
-    if island is None:
+    row = session.execute(select(Island.id, Island.status).where(Island.token_hash == digest)).first()
+    if row is None:
         raise Unauthorized("unknown token")
-    if island.status == "revoked":
-        raise Unauthorized(f"island {island.id}'s token was revoked")
-    if island.status == "left":
-        raise Unauthorized(f"island {island.id} has left; join again for a new token")
-    return Principal(scope="island", island_id=island.id)
+    island_id, status = row
+    if status == "revoked":
+        raise Unauthorized(f"island {island_id}'s token was revoked")
+    if status == "left":
+        raise Unauthorized(f"island {island_id} has left; join again for a new token")
+    return Principal(scope="island", island_id=island_id)
 
 
 def require(principal: Principal, *scopes: Scope) -> None:

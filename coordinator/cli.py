@@ -48,8 +48,11 @@ def serve(
         typer.echo(f"admin and join tokens: {tokens.generated_file}")
     typer.echo(f"database: {settings.resolved_database_url}")
     typer.echo(f"blobs:    {settings.resolved_blob_url}")
+    # Islands reuse one connection for heartbeats: keep it open past a heartbeat interval, or a heartbeat races
+    # the server closing the idle connection (a reset the island has to retry).
+    keep_alive = int(2 * settings.heartbeat_interval_s) + 5
     if workers == 1:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive)
         return
     # Several processes: migrate once here, then every worker builds its app from the same environment.
     from coordinator.db import upgrade
@@ -66,5 +69,11 @@ def serve(
         }
     )
     uvicorn.run(
-        "coordinator.app:create_app_from_env", factory=True, host=host, port=port, log_level=log_level, workers=workers
+        "coordinator.app:create_app_from_env",
+        factory=True,
+        host=host,
+        port=port,
+        log_level=log_level,
+        workers=workers,
+        timeout_keep_alive=keep_alive,
     )

@@ -23,6 +23,8 @@ H_TRAIN_LOSS = "X-Dipaco-Train-Loss"
 H_CONTENT_HASH = "X-Dipaco-Content-Sha256"
 """Download: sha256 of the body (also sent as the ETag)."""
 H_IDLE = "X-Dipaco-Idle"
+H_HELD = "X-Dipaco-Held-Ms"
+"""How long a long-polled lease request was held with no work (milliseconds)."""
 """Lease 204: `waiting` (work may come; honour Retry-After) or `no-running-runs`."""
 
 # Outer gradient upload: one safetensors file whose tensor names are f"{level_name}/{param_name}",
@@ -249,7 +251,7 @@ class Message(BaseModel):
 
 class LeaseStatus(BaseModel):
     lease_id: int
-    status: Literal["active", "submitted", "expired", "released"]
+    status: Literal["active", "submitted", "expired", "released", "offered"]
 
 
 class ContributionSummary(BaseModel):

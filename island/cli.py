@@ -51,6 +51,15 @@ def join(
             help="Exit 0 when no run is running, or keep polling.",
         ),
     ] = False,
+    lease_wait: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=60,
+            envvar="DIPACO_ISLAND_LEASE_WAIT_S",
+            help="Seconds the coordinator may hold a lease request while there is no work (0: poll every 2 s).",
+        ),
+    ] = 10.0,
     give_up_after: Annotated[
         float,
         typer.Option(
@@ -109,6 +118,7 @@ def join(
             cache_dir=cache_dir,
             max_rounds=max_rounds,
             exit_when_idle=exit_when_idle,
+            lease_wait_s=lease_wait,
             give_up_after_s=give_up_after,
             max_backoff_s=max_backoff,
             seed_offset=seed_offset,

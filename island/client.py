@@ -113,10 +113,12 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _chunks(payload: bytes) -> Iterator[bytes]:
+def _chunks(payload: bytes) -> Iterator[memoryview]:
+    """The payload as `UPLOAD_CHUNK` slices, without copies (h11 takes any bytes-like object); a fresh
+    generator per attempt, so retries resend from the start."""
     view = memoryview(payload)
     for start in range(0, len(view), UPLOAD_CHUNK):
-        yield bytes(view[start : start + UPLOAD_CHUNK])
+        yield view[start : start + UPLOAD_CHUNK]
 
 
 class CoordinatorClient:
@@ -237,10 +239,23 @@ class CoordinatorClient:
         response = self._request("POST", self._island_path("/heartbeat"), what=what, give_up_after_s=give_up_after_s)
         return HeartbeatReply.model_validate(self._check(response, what=what, ok=(200,)).json())
 
-    def lease(self) -> LeasePublic | None:
-        """Ask for work. None when there is none right now; `self.idle` then says why and how long to wait."""
+    def lease(self, *, wait_s: float = 0.0) -> LeasePublic | None:
+        """Ask for work. None when there is none right now; `self.idle` then says why and how long to wait.
+
+        With `wait_s` the coordinator holds the request up to that long while there is no work (long polling),
+        and answers the moment a round opens or a path is given back.
+        """
         what = f"lease request of island {self.island_id}"
-        response = self._request("POST", self._island_path("/lease"), what=what)
+        kwargs: dict[str, Any] = {}
+        if wait_s > 0:  # the read may take the whole wait
+            kwargs["params"] = {"wait": wait_s}
+            kwargs["timeout"] = httpx.Timeout(
+                connect=DEFAULT_TIMEOUT.connect,
+                read=(DEFAULT_TIMEOUT.read or 60.0) + wait_s,
+                write=DEFAULT_TIMEOUT.write,
+                pool=DEFAULT_TIMEOUT.pool,
+            )
+        response = self._request("POST", self._island_path("/lease"), what=what, **kwargs)
         if response.status_code == 204:
             raw = response.headers.get(H_IDLE, "waiting")
             reason: IdleReason = "no-running-runs" if raw == "no-running-runs" else "waiting"

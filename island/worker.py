@@ -87,6 +87,8 @@ class IslandConfig:
     """Stop after this many uploaded leases; None = until the run is finished."""
     exit_when_idle: bool = False
     """Exit 0 when no run is running, even if this island has not trained anything yet."""
+    lease_wait_s: float = 10.0
+    """Long polling: how long the coordinator may hold a lease request while there is no work (0 = poll)."""
     give_up_after_s: float = 300.0
     """How long one coordinator call keeps retrying before the island exits with code 3."""
     max_backoff_s: float = 30.0
@@ -108,6 +110,8 @@ class IslandConfig:
             raise ValueError(f"coordinator URL must start with http:// or https://, got {self.coordinator!r}")
         if not self.token:
             raise ValueError("a join token is required (--token or DIPACO_JOIN_TOKEN)")
+        if not 0 <= self.lease_wait_s <= 60:
+            raise ValueError(f"lease wait must be within 0-60 s, got {self.lease_wait_s}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_rounds is not None and self.max_rounds < 1:
@@ -289,7 +293,15 @@ class Island:
             if cfg.max_rounds is not None and self.rounds_done >= cfg.max_rounds:
                 log.info("trained %d lease(s), the --max-rounds limit; leaving", self.rounds_done)
                 return EXIT_OK
-            lease = self.client.lease()
+            lease = self.client.lease(wait_s=cfg.lease_wait_s)
+            if lease is not None and self._stop.is_set():  # stopped while the request was held: give it back
+                self._lease = lease
+                self.results.append(
+                    LeaseResult(
+                        lease_id=lease.lease_id, round=lease.round, path_index=lease.path_index, status="stopped"
+                    )
+                )
+                break
             if lease is None:
                 idle = self.client.idle
                 assert idle is not None

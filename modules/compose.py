@@ -17,12 +17,26 @@ from modules.model import PathModel, init_state
 Tensors = dict[str, torch.Tensor]
 
 
+_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
+"""Parameter shapes per model config (keyed by its repr): the coordinator checks them on every upload."""
+
+
+def _model_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    key = repr(cfg)
+    shapes = _SHAPES.get(key)
+    if shapes is None:
+        with torch.device("meta"):  # shapes only: no memory, no random init
+            shapes = {name: tuple(t.shape) for name, t in PathModel(cfg).state_dict().items()}
+        if len(_SHAPES) >= 64:
+            _SHAPES.clear()
+        _SHAPES[key] = shapes
+    return shapes
+
+
 def level_param_shapes(cfg: ModelConfig, layout: Layout, level_index: int) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of any module on one level."""
     level = layout.levels[level_index]
-    with torch.device("meta"):  # shapes only: no memory, no random init
-        shapes = {name: tuple(t.shape) for name, t in PathModel(cfg).state_dict().items()}
-    return {name: shape for name, shape in shapes.items() if level.owns(name)}
+    return {name: shape for name, shape in _model_param_shapes(cfg).items() if level.owns(name)}
 
 
 def init_level_modules(cfg: ModelConfig, layout: Layout, *, seed: int) -> list[Tensors]:

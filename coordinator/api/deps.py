@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated
@@ -17,10 +15,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.auth import Principal, ServiceTokens, authenticate
 from coordinator.blobstore import BlobStore
-from coordinator.errors import PayloadTooLarge
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
+from coordinator.services.leases import Affinity
 from coordinator.settings import Settings
+from coordinator.work import WorkSignal
 
 
 @dataclass(slots=True)
@@ -34,6 +33,16 @@ class AppState:
     spool_dir: Path
     metrics: Metrics
     faults: FaultInjector
+    work: WorkSignal = field(default_factory=WorkSignal)
+    """Wakes lease requests that wait for work (see coordinator/work.py)."""
+    lease_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
+    """Lease attempts in flight at once: they serialise on the run row anyway, and the threads they would hold
+    are better left to heartbeats and uploads when a round opens and every island asks at once."""
+
+    @property
+    def affinity(self) -> Affinity:
+        """Paths stay with the island that trained them (offers, reservations), from the settings."""
+        return Affinity(reserve_s=self.settings.path_reservation_s, live_s=3 * self.settings.heartbeat_interval_s)
 
 
 def get_state(request: Request) -> AppState:
@@ -44,9 +53,18 @@ def get_state(request: Request) -> AppState:
 StateDep = Annotated[AppState, Depends(get_state)]
 
 
-def get_session(state: StateDep) -> Iterator[Session]:
-    with state.sessions() as session:
+async def get_session(state: StateDep) -> AsyncIterator[Session]:
+    """One session per request, opened and closed on the event loop.
+
+    Closing needs no worker thread, so a request never holds a database connection while it queues for a
+    thread: with as many connections as threads, that wait could deadlock (every thread waiting for a
+    connection, every connection held by a request waiting for a thread), as it did with 256 islands.
+    """
+    session = state.sessions()
+    try:
         yield session
+    finally:
+        session.close()
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
@@ -59,39 +77,15 @@ def authenticate_with(state: AppState, authorization: str | None) -> Principal:
         return principal
 
 
-def get_principal(state: StateDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
-    return authenticate_with(state, authorization)
+def get_principal(
+    state: StateDep, session: SessionDep, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
+    """Authenticate in the request's own session (one indexed lookup); the read-only transaction ends here, so the
+    connection goes back to the pool before the request moves on to another thread."""
+    try:
+        return authenticate(session, state.tokens, authorization)
+    finally:
+        session.rollback()
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
-
-
-@dataclass(frozen=True, slots=True)
-class Spooled:
-    """A request body on local disk, with its sha256 computed while it streamed in."""
-
-    path: Path
-    sha256: str
-    size: int
-
-
-async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Spooled:
-    """Stream the request body to a temporary file, refusing more than `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {int(declared)} bytes is over the {limit}-byte limit")
-    fd, name = tempfile.mkstemp(dir=spool_dir, suffix=".upload")
-    size = 0
-    digest = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as out:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"body is over the {limit}-byte limit")
-                digest.update(chunk)
-                out.write(chunk)
-    except BaseException:
-        os.unlink(name)
-        raise
-    return Spooled(path=Path(name), sha256=digest.hexdigest(), size=size)

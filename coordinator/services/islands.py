@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from coordinator.auth import hash_token, new_token
@@ -37,28 +38,43 @@ def get_island(session: Session, island_id: int) -> Island:
 
 
 def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
-    """Record liveness and extend the island's active leases; returns the ids still active.
+    """Record liveness and extend the island's active leases; returns the ids extended.
 
-    Call `expire_stale_leases` first: a lease already past its expiry is not revived by a late heartbeat.
+    A lease already past its expiry is not revived by a late heartbeat (its path may be someone else's now).
     """
-    island = get_island(session, island_id)
-    island.last_heartbeat = now
+    session.execute(
+        update(Island).where(Island.id == island_id).values(last_heartbeat=now),
+        execution_options={"synchronize_session": False},
+    )
     rows = session.execute(
-        select(Lease, Run.lease_ttl_s)
+        select(Lease.id, Run.lease_ttl_s)
         .join(Run, Run.id == Lease.run_id)
-        .where(Lease.island_id == island_id, Lease.status == "active")
+        .where(Lease.island_id == island_id, Lease.status == "active", Lease.expires_at >= now)
     ).all()
-    for lease, ttl in rows:
-        lease.expires_at = now + timedelta(seconds=ttl)
+    by_ttl: dict[float, list[int]] = defaultdict(list)
+    for lease_id, ttl in rows:
+        by_ttl[ttl].append(lease_id)
+    extended: list[int] = []
+    for ttl, ids in by_ttl.items():
+        # re-checked in the UPDATE: a lease submitted or released since the SELECT stays as it is
+        extended += session.scalars(
+            update(Lease)
+            .where(Lease.id.in_(ids), Lease.status == "active")
+            .values(expires_at=now + timedelta(seconds=ttl))
+            .returning(Lease.id),
+            execution_options={"synchronize_session": False},
+        ).all()
     session.commit()
-    return [lease.id for lease, _ in rows]
+    return sorted(extended)
 
 
 def leave(session: Session, island_id: int, *, status: str = "left") -> None:
     """The island leaves (or is revoked): its active leases go back to the pool at once."""
     island = get_island(session, island_id)
     island.status = status
-    for lease in session.scalars(select(Lease).where(Lease.island_id == island_id, Lease.status == "active")):
+    for lease in session.scalars(
+        select(Lease).where(Lease.island_id == island_id, Lease.status.in_(("active", "offered")))
+    ):
         lease.status = "released"
     session.commit()
 

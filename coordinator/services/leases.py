@@ -1,10 +1,19 @@
 """Leases: a path of the current round handed to one island, with its token range and an expiry.
 
-A path is free in a round when it has neither an active nor a submitted lease for that round. An island is
-offered the path it trained last when that path is free (its inner optimizer state and cached weights are
-warm), else the free path with the lowest index that is not reserved for another live island (see `Affinity`).
-Expired leases free their path for the same round; the path's
-data cursor only advances when a contribution is accepted, so an expired lease gives its token range back.
+A path is free in a round when it has neither a submitted lease nor an active, unexpired one for that round. An
+island is offered the path it trained last when that path is free (its inner optimizer state and cached weights
+are warm), else the free path with the lowest index that is not reserved for another live island (see
+`Affinity`). An expired lease frees its path for the same round; the path's data cursor only advances when a
+contribution is accepted, so an expired lease gives its token range back.
+
+When a round is applied, each live island that trained a path in it is offered that path for the next round
+(`offer_next_round`): a lease in status `offered`, written in the apply transaction, that the island takes up
+with its next lease request (`take_offer`) or that expires after `Affinity.reserve_s`. A round opening then
+costs one batch of inserts instead of every island queueing for the run row at once.
+
+Lease requests are the coordinator's most frequent call, so each is a handful of statements: one to take an
+offer, one to find the open rounds, one probe for a free path (no lock; idle islands polling for work stop
+there), and only when a path is free, the run row locked and the choice made again under the lock.
 """
 
 from __future__ import annotations
@@ -12,27 +21,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select, update
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import Select, and_, case, or_, select, update
+from sqlalchemy.orm import Session
 
 from coordinator.errors import Conflict, Forbidden, NotFound
-from coordinator.models import Island, Lease, Module, Path, PathModule, Round, Run, Shard
+from coordinator.models import Island, Lease, Level, Module, Path, PathModule, Round, Run, Shard
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
 from coordinator.services.runs import tokens_per_lease
 from coordinator.timeutil import as_utc
 
+PENDING = ("active", "offered")
+"""Lease states that hold a path until they expire."""
 
-def expire_stale_leases(session: Session, *, now: datetime) -> int:
-    """Mark active leases past their expiry as expired (the caller commits).
+
+def expire_stale_leases(session: Session, *, now: datetime, run_id: int | None = None) -> int:
+    """Mark active or offered leases past their expiry as expired (the caller commits); returns how many.
 
     A cheap read first: most calls find nothing to expire and then write nothing (no row locks taken).
     """
-    stale = select(Lease.id).where(Lease.status == "active", Lease.expires_at < now)
-    if session.scalar(stale.limit(1)) is None:
+    stale = [Lease.status.in_(PENDING), Lease.expires_at < now]
+    if run_id is not None:
+        stale.append(Lease.run_id == run_id)
+    if session.scalar(select(Lease.id).where(*stale).limit(1)) is None:
         return 0
-    result = session.execute(
-        update(Lease).where(Lease.status == "active", Lease.expires_at < now).values(status="expired")
-    )
+    result = session.execute(update(Lease).where(*stale).values(status="expired"))
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
 
 
@@ -49,90 +61,250 @@ class Affinity:
     live_s: float = 30.0
 
 
-def _free_path(
-    session: Session, run_id: int, round_: int, island_id: int, *, now: datetime, affinity: Affinity
-) -> Path | None:
-    """The path this island trained last if it is free, else the free path with the lowest index that is not
-    reserved for another island."""
+@dataclass(frozen=True, slots=True)
+class OpenRound:
+    """The current round of a running run, as lease requests see it."""
+
+    run_id: int
+    number: int
+    opened_at: datetime | None
+    deadline: datetime | None
+
+
+def open_rounds(session: Session) -> list[OpenRound]:
+    """Current rounds of the running runs, oldest run first (one statement)."""
+    rows = session.execute(
+        select(Run.id, Run.current_round, Round.opened_at, Round.deadline)
+        .join(Round, and_(Round.run_id == Run.id, Round.number == Run.current_round), isouter=True)
+        .where(Run.status == "running")
+        .order_by(Run.id)
+    ).all()
+    return [
+        OpenRound(
+            run_id=run_id,
+            number=number,
+            opened_at=as_utc(opened) if opened is not None else None,
+            deadline=as_utc(deadline) if deadline is not None else None,
+        )
+        for run_id, number, opened, deadline in rows
+    ]
+
+
+def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity: Affinity) -> Select[Path]:
+    """Paths of the round that are free for this island: its warm path first, then by index."""
     busy = select(Lease.path_id).where(
-        Lease.run_id == run_id, Lease.round == round_, Lease.status.in_(("active", "submitted"))
+        Lease.run_id == rnd.run_id,
+        Lease.round == rnd.number,
+        or_(Lease.status == "submitted", and_(Lease.status.in_(PENDING), Lease.expires_at >= now)),
     )
-    free = select(Path).where(Path.run_id == run_id, Path.id.not_in(busy))
-    warm = session.scalar(free.where(Path.last_island_id == island_id).order_by(Path.index).limit(1))
-    if warm is not None:
-        return warm
-    if affinity.reserve_s > 0:
-        opened = session.scalar(select(Round.opened_at).where(Round.run_id == run_id, Round.number == round_))
-        if opened is not None and now < as_utc(opened) + timedelta(seconds=affinity.reserve_s):
-            others = select(Island.id).where(
-                Island.id != island_id,
-                Island.status == "active",
-                Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s),
-            )
-            free = free.where(or_(Path.last_island_id.is_(None), Path.last_island_id.not_in(others)))
-    return session.scalar(free.order_by(Path.index).limit(1))
+    query = select(Path).where(Path.run_id == rnd.run_id, Path.id.not_in(busy))
+    opened = rnd.opened_at
+    if affinity.reserve_s > 0 and opened is not None and now < opened + timedelta(seconds=affinity.reserve_s):
+        others = select(Island.id).where(
+            Island.id != island_id,
+            Island.status == "active",
+            Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s),
+        )
+        query = query.where(or_(Path.last_island_id.is_(None), Path.last_island_id.not_in(others)))
+    warm_first = case((Path.last_island_id == island_id, 0), else_=1)
+    return query.order_by(warm_first, Path.index).limit(1)
 
 
 def acquire_lease(
-    session: Session, island_id: int, *, now: datetime, affinity: Affinity = Affinity()
-) -> tuple[Lease | None, str]:
-    """Issue a lease to an island, or return (None, reason) with reason `waiting` or `no-running-runs`.
+    session: Session,
+    island_id: int,
+    rounds: list[OpenRound],
+    *,
+    now: datetime,
+    affinity: Affinity = Affinity(),
+) -> tuple[LeasePublic | None, int]:
+    """Issue a lease on a free path of one of `rounds` (see `open_rounds`) and commit; (None, 0) when no path is
+    free. The int is the number of stale leases marked expired on the way.
 
-    Call `expire_stale_leases` (and commit) first so that paths of expired leases are free again. Free paths are
-    probed without a lock; only when one exists is the run row locked and the choice made again under the lock,
+    Free paths are probed without a lock; only when one exists is the run row locked and the choice made again,
     so idle islands polling for work never queue behind each other.
     """
-    running = session.execute(select(Run.id, Run.current_round).where(Run.status == "running").order_by(Run.id)).all()
-    if not running:
-        session.rollback()
-        return None, "no-running-runs"
-    for run_id, round_ in running:
-        if _free_path(session, run_id, round_, island_id, now=now, affinity=affinity) is None:
+    for rnd in rounds:
+        probe = _free_path_query(rnd, island_id, now=now, affinity=affinity).with_only_columns(Path.id)
+        if session.scalar(probe) is None:
             continue
         run = session.scalar(
-            select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
+            select(Run).where(Run.id == rnd.run_id).with_for_update().execution_options(populate_existing=True)
         )
-        if run is None or run.status != "running":
+        if run is None or run.status != "running" or run.current_round != rnd.number:
+            session.rollback()
             continue
-        path = _free_path(session, run.id, run.current_round, island_id, now=now, affinity=affinity)
+        expired = expire_stale_leases(session, now=now, run_id=run.id)
+        path = session.scalar(_free_path_query(rnd, island_id, now=now, affinity=affinity))
         if path is None:
+            session.rollback()
             continue
         lease = _issue(session, run, path, island_id, now=now)
         session.commit()
-        return lease, "leased"
+        return lease, expired
     session.rollback()
-    return None, "waiting"
+    return None, 0
 
 
-def _issue(session: Session, run: Run, path: Path, island_id: int, *, now: datetime) -> Lease:
-    shard = session.scalar(select(Shard).where(Shard.run_id == run.id, Shard.path_index == path.index))
-    assert shard is not None, "a running run has a shard for every path"
+def _token_range(run: Run, path: Path, num_tokens: int) -> tuple[int, int, int]:
+    """(start, end, epoch) of the path's next lease: its data cursor, wrapping into a new epoch."""
     need = tokens_per_lease(run)
     start, epoch = path.token_offset, path.epoch
-    if start + need > shard.num_tokens:
+    if start + need > num_tokens:
         # The rest of the shard is too short for a full lease: start the next epoch from the beginning.
         start, epoch = 0, epoch + 1
-    modules = session.execute(
-        select(Module.id, Module.version)
-        .join(PathModule, PathModule.module_id == Module.id)
-        .where(PathModule.path_id == path.id)
-    ).all()
-    lease = Lease(
+    return start, start + need, epoch
+
+
+def _shard(session: Session, run_id: int, path_index: int) -> LeaseShard:
+    shard_id, tokens_hash, num_tokens = session.execute(
+        select(Shard.id, Shard.tokens_hash, Shard.num_tokens).where(
+            Shard.run_id == run_id, Shard.path_index == path_index
+        )
+    ).one()
+    return LeaseShard(shard_id=shard_id, tokens_hash=tokens_hash, num_tokens=num_tokens)
+
+
+def _modules(session: Session, path_id: int) -> list[LeaseModule]:
+    """The path's modules at their current versions, by level."""
+    return [
+        LeaseModule(level=level, level_name=name, module_id=module_id, version=version, weights_hash=weights)
+        for module_id, level, version, weights, name in session.execute(
+            select(Module.id, Module.level_index, Module.version, Module.weights_hash, Level.name)
+            .join(PathModule, PathModule.module_id == Module.id)
+            .join(Level, Level.id == Module.level_id)
+            .where(PathModule.path_id == path_id)
+            .order_by(Module.level_index)
+        )
+    ]
+
+
+def _new_lease(
+    run: Run,
+    path: Path,
+    island_id: int,
+    shard: LeaseShard,
+    modules: list[LeaseModule],
+    *,
+    status: str,
+    expires: datetime,
+    now: datetime,
+) -> Lease:
+    start, end, epoch = _token_range(run, path, shard.num_tokens)
+    return Lease(
         run_id=run.id,
         island_id=island_id,
         path_id=path.id,
         round=run.current_round,
-        status="active",
-        base_versions={str(mid): version for mid, version in modules},
+        status=status,
+        base_versions={str(m.module_id): m.version for m in modules},
         token_start=start,
-        token_end=start + need,
+        token_end=end,
         epoch=epoch,
         issued_at=now,
-        expires_at=now + timedelta(seconds=run.lease_ttl_s),
+        expires_at=expires,
     )
+
+
+def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list[LeaseModule]) -> LeasePublic:
+    return LeasePublic(
+        lease_id=lease.id,
+        run_id=run.id,
+        round=lease.round,
+        path_id=path.id,
+        path_index=path.index,
+        model=run.config["model"],
+        inner=run.config["inner"],
+        inner_steps=run.inner_steps,
+        first_step=lease.round * run.inner_steps,
+        modules=modules,
+        shard=shard,
+        token_start=lease.token_start,
+        token_end=lease.token_end,
+        epoch=lease.epoch,
+        seed=run.seed * 1_000_003 + lease.round * 1_009 + path.index,
+        expires_at=as_utc(lease.expires_at),
+        status="active",
+    )
+
+
+def _issue(session: Session, run: Run, path: Path, island_id: int, *, now: datetime) -> LeasePublic:
+    shard, modules = _shard(session, run.id, path.index), _modules(session, path.id)
+    expires = now + timedelta(seconds=run.lease_ttl_s)
+    lease = _new_lease(run, path, island_id, shard, modules, status="active", expires=expires, now=now)
     session.add(lease)
     session.flush()
-    return lease
+    return _public(run, path, lease, shard, modules)
+
+
+def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Affinity) -> int:
+    """Offer each live island one path it trained last (the lowest index) for the run's new current round.
+
+    Called inside the apply transaction, after the module versions moved on (the caller commits). An offer
+    holds its path for `affinity.reserve_s`, like the reservation it replaces for that island; heartbeats do
+    not extend it. Returns how many offers were made (0 when the reservation is disabled).
+    """
+    if affinity.reserve_s <= 0:
+        return 0
+    live = select(Island.id).where(
+        Island.status == "active", Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s)
+    )
+    chosen: dict[int, Path] = {}
+    for path in session.scalars(
+        select(Path).where(Path.run_id == run.id, Path.last_island_id.in_(live)).order_by(Path.index)
+    ):
+        assert path.last_island_id is not None
+        chosen.setdefault(path.last_island_id, path)
+    if not chosen:
+        return 0
+    paths = {path.id: path for path in chosen.values()}
+    shards = {
+        index: LeaseShard(shard_id=shard_id, tokens_hash=tokens_hash, num_tokens=num_tokens)
+        for shard_id, index, tokens_hash, num_tokens in session.execute(
+            select(Shard.id, Shard.path_index, Shard.tokens_hash, Shard.num_tokens).where(Shard.run_id == run.id)
+        )
+    }
+    versions: dict[int, list[LeaseModule]] = {path_id: [] for path_id in paths}
+    for path_id, module_id, level, version, weights in session.execute(
+        select(PathModule.path_id, Module.id, Module.level_index, Module.version, Module.weights_hash)
+        .join(Module, Module.id == PathModule.module_id)
+        .where(PathModule.path_id.in_(list(paths)))
+    ):
+        versions[path_id].append(
+            LeaseModule(level=level, level_name="", module_id=module_id, version=version, weights_hash=weights)
+        )
+    expires = now + timedelta(seconds=affinity.reserve_s)
+    session.add_all(
+        _new_lease(
+            run, path, island_id, shards[path.index], versions[path.id], status="offered", expires=expires, now=now
+        )
+        for island_id, path in chosen.items()
+    )
+    return len(chosen)
+
+
+def take_offer(session: Session, island_id: int, *, now: datetime) -> LeasePublic | None:
+    """The island's pending offer, turned into an active lease (committed); None when it has none."""
+    lease = session.scalar(
+        select(Lease)
+        .where(Lease.island_id == island_id, Lease.status == "offered", Lease.expires_at >= now)
+        .order_by(Lease.id)
+        .limit(1)
+        .with_for_update()
+    )
+    if lease is None:
+        return None
+    run = session.get_one(Run, lease.run_id)
+    if run.status != "running" or run.current_round != lease.round:
+        lease.status = "expired"  # its round closed without it (deadline and quorum)
+        session.commit()
+        return None
+    path = session.get_one(Path, lease.path_id)
+    lease.status = "active"
+    lease.expires_at = now + timedelta(seconds=run.lease_ttl_s)
+    shard, modules = _shard(session, run.id, path.index), _modules(session, path.id)
+    session.commit()
+    return _public(run, path, lease, shard, modules)
 
 
 def get_lease(session: Session, lease_id: int) -> Lease:
@@ -152,59 +324,3 @@ def release_lease(session: Session, lease_id: int, island_id: int) -> Lease:
         raise Conflict(f"lease {lease_id} was already submitted; nothing to release")
     session.commit()
     return lease
-
-
-def lease_public(session: Session, lease: Lease) -> LeasePublic:
-    run = session.get_one(Run, lease.run_id)
-    path = session.scalar(select(Path).where(Path.id == lease.path_id).options(selectinload(Path.modules)))
-    assert path is not None
-    shard = session.scalar(select(Shard).where(Shard.run_id == run.id, Shard.path_index == path.index))
-    assert shard is not None
-    module_rows = {
-        m.id: m
-        for m in session.scalars(
-            select(Module)
-            .where(Module.id.in_([pm.module_id for pm in path.modules]))
-            .options(selectinload(Module.level))
-        )
-    }
-    lease_modules = []
-    for pm in path.modules:
-        m = module_rows[pm.module_id]
-        version = int(lease.base_versions[str(m.id)])
-        if version != m.version:
-            raise Conflict(
-                f"lease {lease.id} was issued on module {m.id} version {version}, the module is at {m.version}"
-            )
-        lease_modules.append(
-            LeaseModule(
-                level=m.level_index,
-                level_name=m.level.name,
-                module_id=m.id,
-                version=m.version,
-                weights_hash=m.weights_hash,
-            )
-        )
-    return LeasePublic(
-        lease_id=lease.id,
-        run_id=run.id,
-        round=lease.round,
-        path_id=path.id,
-        path_index=path.index,
-        model=run.config["model"],
-        inner=run.config["inner"],
-        inner_steps=run.inner_steps,
-        first_step=lease.round * run.inner_steps,
-        modules=lease_modules,
-        shard=LeaseShard(shard_id=shard.id, tokens_hash=shard.tokens_hash, num_tokens=shard.num_tokens),
-        token_start=lease.token_start,
-        token_end=lease.token_end,
-        epoch=lease.epoch,
-        seed=run.seed * 1_000_003 + lease.round * 1_009 + path.index,
-        expires_at=as_utc(lease.expires_at),
-        status=lease.status,  # type: ignore[arg-type]
-    )
-
-
-def lease_path_index(session: Session, lease: Lease) -> int:
-    return session.get_one(Path, lease.path_id).index

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import defaultdict
 from datetime import datetime, timedelta
 
@@ -24,6 +25,7 @@ from sqlalchemy.orm import Session
 from coordinator.blobstore import BlobStore
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
+from coordinator.services.leases import Affinity, offer_next_round
 from coordinator.timeutil import as_utc
 from modules import OuterConfig, accumulate, decode, encode, nesterov_step
 
@@ -31,9 +33,18 @@ log = logging.getLogger(__name__)
 
 
 def maybe_apply_round(
-    session: Session, blobs: BlobStore, run_id: int, *, now: datetime, faults: FaultInjector = NO_FAULTS
+    session: Session,
+    blobs: BlobStore,
+    run_id: int,
+    *,
+    now: datetime,
+    faults: FaultInjector = NO_FAULTS,
+    affinity: Affinity | None = None,
 ) -> bool:
     """Apply the run's current round if it is ready to close; True if this call applied it.
+
+    With `affinity`, the islands that trained the round's paths are offered them for the next round in the same
+    transaction (see `leases.offer_next_round`).
 
     Readiness is probed without a lock first (most calls come from lease requests and find nothing to do), then
     checked again with the run row locked before anything is written.
@@ -53,6 +64,7 @@ def maybe_apply_round(
     if contributed is None:
         session.rollback()
         return False
+    started = time.perf_counter()
     won = session.execute(
         update(Round)
         .where(Round.run_id == run.id, Round.number == number, Round.status == "open")
@@ -103,9 +115,18 @@ def maybe_apply_round(
         run.status = "finished"
     else:
         open_round(session, run, run.current_round, now=now)
+        if affinity is not None:
+            offer_next_round(session, run, now=now, affinity=affinity)
     faults.point("apply.before_commit")
     session.commit()
-    log.info("run %s: round %s applied (%s of %s paths)", run.id, number, contributed, run.num_paths)
+    log.info(
+        "run %s: round %s applied (%s of %s paths) in %.2f s",
+        run.id,
+        number,
+        contributed,
+        run.num_paths,
+        time.perf_counter() - started,
+    )
     return True
 
 
@@ -140,11 +161,18 @@ def open_round(session: Session, run: Run, number: int, *, now: datetime) -> Rou
     return rnd
 
 
-def apply_ready_rounds(session: Session, blobs: BlobStore, *, now: datetime, faults: FaultInjector = NO_FAULTS) -> int:
+def apply_ready_rounds(
+    session: Session,
+    blobs: BlobStore,
+    *,
+    now: datetime,
+    faults: FaultInjector = NO_FAULTS,
+    affinity: Affinity | None = None,
+) -> int:
     """Recovery sweep (start-up, lease requests): apply any round that is complete but not yet applied."""
     applied = 0
     run_ids = session.scalars(select(Run.id).where(Run.status == "running")).all()
     session.rollback()
     for run_id in run_ids:
-        applied += int(maybe_apply_round(session, blobs, run_id, now=now, faults=faults))
+        applied += int(maybe_apply_round(session, blobs, run_id, now=now, faults=faults, affinity=affinity))
     return applied

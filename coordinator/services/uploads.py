@@ -9,12 +9,14 @@ the same contribution (idempotent).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path as FilePath
+from typing import Any
 
-import torch
+import numpy as np
 from safetensors import SafetensorError, safe_open
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -27,6 +29,14 @@ from coordinator.services.leases import get_lease
 from coordinator.services.runs import run_layout, run_model_config
 from modules import CodecError, Layout, ModelConfig, level_param_shapes
 from modules.codec import read_header
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    contribution: Contribution
+    created: bool
+    """False for an idempotent retry of an accepted upload."""
+    path_index: int
 
 
 def submit_outer_gradients(
@@ -42,29 +52,31 @@ def submit_outer_gradients(
     body_sha256: str,
     now: datetime,
     faults: FaultInjector = NO_FAULTS,
-) -> tuple[Contribution, bool]:
-    """Returns (contribution, created); created is False for an idempotent retry.
+) -> Submitted:
+    """Accept (or refuse) one upload and commit.
 
     `body` is the spooled upload and `body_sha256` its hash; an accepted body is moved into the blob store as is
     (one blob per upload, no re-encoding); each module's part is found by its tensor-name prefix.
 
     Two phases: the checks and the payload validation run without holding any lock (validation is the slow
-    part); then, under a shared lock on the run row (uploads side by side, a round apply excluded), everything
-    is checked again and the contribution written. A unique (path, round) constraint keeps a second upload for
+    part); then, under a shared lock on the run row (uploads side by side, a round apply excluded), the lease
+    is checked again and the contribution written. Module versions only change when a round is applied, which
+    takes the run row exclusively and moves the run to the next round, so "the lease's round is still current"
+    under the lock means its base versions are too. A unique (path, round) constraint keeps a second upload for
     the same path out even if two race.
     """
     lease = get_lease(session, lease_id)
     if lease.island_id != island_id:
         raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
-    existing = session.scalar(select(Contribution).where(Contribution.lease_id == lease_id))
-    if existing is not None:
-        return existing, False
+    prior = _prior_contribution(session, lease)
+    if prior is not None and prior.lease_id == lease_id:
+        return Submitted(prior, False, _path_index(session, lease))
     if tokens < 0:
         raise Invalid(f"tokens must be >= 0, got {tokens}")
     if not math.isfinite(train_loss):
         raise Invalid(f"train loss must be finite, got {train_loss}")
     run = session.get_one(Run, lease.run_id)
-    _check_lease(session, run, lease, round_header)
+    _check_lease(run, lease, round_header, prior)
     cfg, layout = run_model_config(run), run_layout(run)
     levels = _path_levels(session, lease)
     session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
@@ -77,19 +89,16 @@ def submit_outer_gradients(
     assert locked is not None
     run = locked
     lease = session.get_one(Lease, lease_id, populate_existing=True)
-    existing = session.scalar(select(Contribution).where(Contribution.lease_id == lease_id))
-    if existing is not None:
+    prior = _prior_contribution(session, lease)
+    if prior is not None and prior.lease_id == lease_id:
         session.rollback()
-        return existing, False
-    _check_lease(session, run, lease, round_header)
-    if _path_levels(session, lease) != levels:
-        raise Conflict(f"the modules of lease {lease_id}'s path changed while its upload was validated")
-    path = session.get_one(Path, lease.path_id)
+        return Submitted(prior, False, _path_index(session, lease))
+    _check_lease(run, lease, round_header, prior)
     contribution = Contribution(
         lease_id=lease.id,
         run_id=run.id,
         round=lease.round,
-        path_id=path.id,
+        path_id=lease.path_id,
         tokens=tokens,
         train_loss=train_loss,
         status="accepted",
@@ -102,26 +111,45 @@ def submit_outer_gradients(
         session.rollback()
         raise Conflict(f"path of lease {lease_id} already has a contribution for round {lease.round}") from exc
     blobs.put_file(body, body_sha256)
-    for level_index, prefix in prefixes.items():
-        session.add(
-            ContributionGrad(
-                contribution_id=contribution.id, module_id=levels[level_index][0], blob_hash=body_sha256, prefix=prefix
-            )
+    session.add_all(
+        ContributionGrad(
+            contribution_id=contribution.id, module_id=levels[level_index][0], blob_hash=body_sha256, prefix=prefix
         )
+        for level_index, prefix in prefixes.items()
+    )
     lease.status = "submitted"
-    path.token_offset = lease.token_end - 1  # the last target token is the next range's first input
-    path.epoch = lease.epoch
-    path.tokens_trained += tokens
-    path.last_train_loss = train_loss
-    path.last_island_id = island_id
+    path_index = session.execute(
+        update(Path)
+        .where(Path.id == lease.path_id)
+        .values(
+            token_offset=lease.token_end - 1,  # the last target token is the next range's first input
+            epoch=lease.epoch,
+            tokens_trained=Path.tokens_trained + tokens,
+            last_train_loss=train_loss,
+            last_island_id=island_id,
+        )
+        .returning(Path.index),
+        execution_options={"synchronize_session": False},
+    ).scalar_one()
     faults.point("upload.before_commit")
     session.commit()
-    return contribution, True
+    return Submitted(contribution, True, path_index)
 
 
-def _check_lease(session: Session, run: Run, lease: Lease, round_header: int | None) -> None:
+def _prior_contribution(session: Session, lease: Lease) -> Contribution | None:
+    """The contribution already accepted for the lease's path and round, from this lease or another."""
+    return session.scalar(
+        select(Contribution).where(Contribution.path_id == lease.path_id, Contribution.round == lease.round)
+    )
+
+
+def _path_index(session: Session, lease: Lease) -> int:
+    return session.get_one(Path, lease.path_id).index
+
+
+def _check_lease(run: Run, lease: Lease, round_header: int | None, prior: Contribution | None) -> None:
     """The lease may still deliver: its round is the run's current one, it was not released, its path has no
-    contribution for the round yet."""
+    contribution for the round yet (`prior`, from another lease)."""
     if round_header is not None and round_header != lease.round:
         raise Conflict(f"upload is for round {round_header}, lease {lease.id} was issued for round {lease.round}")
     if run.status != "running" or run.current_round != lease.round:
@@ -131,11 +159,10 @@ def _check_lease(session: Session, run: Run, lease: Lease, round_header: int | N
         )
     if lease.status == "released":
         raise Conflict(f"lease {lease.id} was released; ask for a new lease")
-    done = session.scalar(
-        select(Lease.id).where(Lease.path_id == lease.path_id, Lease.round == lease.round, Lease.status == "submitted")
-    )
-    if done is not None:
-        raise Conflict(f"path of lease {lease.id} already has a contribution for round {lease.round} (lease {done})")
+    if prior is not None:
+        raise Conflict(
+            f"path of lease {lease.id} already has a contribution for round {lease.round} (lease {prior.lease_id})"
+        )
 
 
 def _path_levels(session: Session, lease: Lease) -> dict[int, tuple[int, str]]:
@@ -158,8 +185,8 @@ def _validated_payload(
 ) -> dict[int, str]:
     """Check the safetensors file against the path's modules; returns level index -> tensor-name prefix.
 
-    The header is checked first (names, dtypes, shapes, offsets within the file), then each tensor is read on
-    its own from the memory-mapped file to check that it is finite: memory stays O(largest tensor).
+    The header is checked first (names, dtypes, shapes, offsets within the file), then the values are checked
+    to be finite in place, in the memory-mapped file: no tensor is copied.
     """
     expected: dict[str, tuple[int, tuple[int, ...]]] = {}
     prefixes: dict[int, str] = {}
@@ -204,13 +231,33 @@ def _validated_payload(
             f"the header describes {8 + n + data_end}"
         )
     try:
-        with safe_open(str(body), framework="pt") as f:
-            for name in header:
-                tensor = f.get_tensor(name)
-                # A NaN/Inf anywhere makes the sum non-finite; only then count exactly (overflowing finite sums too).
-                bad = 0 if torch.isfinite(tensor.sum()) else int((~torch.isfinite(tensor)).sum())
-                if bad:
-                    raise Invalid(f"tensor {name!r} has {bad} non-finite value(s) (NaN/Inf)")
+        with safe_open(str(body), framework="pt"):
+            pass  # safetensors' own checks of the layout (offsets contiguous, covering the data, no overlap)
     except SafetensorError as exc:
         raise Invalid(f"outer-gradient payload: invalid safetensors payload: {exc}") from exc
+    bad_name, bad = _first_non_finite(body, 8 + n, {name: header[name]["data_offsets"] for name in header})
+    if bad:
+        raise Invalid(f"tensor {bad_name!r} has {bad} non-finite value(s) (NaN/Inf)")
     return prefixes
+
+
+def _first_non_finite(body: FilePath, data_start: int, offsets: dict[str, Any]) -> tuple[str, int]:
+    """(name, count) of the first tensor, in header order, with NaN/Inf values; ("", 0) when all are finite.
+
+    All tensors are F32 and their offsets were checked, so the data section is read as float32 views of the
+    memory-mapped file (no copies). A NaN/Inf anywhere makes the sum non-finite: one sum over the whole section
+    clears the common case; only then is each tensor summed, and a non-finite one counted exactly (a sum that
+    overflowed with finite values only is not an error).
+    """
+    data = np.memmap(body, dtype=np.uint8, mode="r")  # unmapped when the last view goes, on return
+    section = data[data_start:]
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing sums are expected here, not warnings
+        if section.size % 4 == 0 and np.isfinite(section.view("<f4").sum()):
+            return "", 0
+        for name, (start, end) in offsets.items():
+            values = data[data_start + start : data_start + end].view("<f4")
+            if not np.isfinite(values.sum()):
+                bad = values.size - int(np.count_nonzero(np.isfinite(values)))
+                if bad:
+                    return name, bad
+    return "", 0

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -311,3 +314,69 @@ def test_paths_stay_with_their_island_across_rounds(client: TestClient, clock: F
     client.post(f"/v1/islands/{b_id}/heartbeat", headers=bh)
     late = lease(client, a_id, ah)
     assert late is not None and late["path_index"] == 3
+
+
+def _two_islands_train_round_zero(client: TestClient) -> tuple[tuple[int, dict[str, str]], tuple[int, dict[str, str]]]:
+    a_id, ah = join(client, "a")
+    b_id, bh = join(client, "b")
+    for island_id, h in [(a_id, ah), (b_id, bh), (a_id, ah), (b_id, bh)]:
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        applied = upload(client, lb, h, train_lease(client, lb, h)).json()["round_applied"]
+    assert applied is True  # a trained paths 0 and 2, b paths 1 and 3
+    return (a_id, ah), (b_id, bh)
+
+
+def test_round_apply_offers_each_island_its_path_which_it_takes_or_loses(client: TestClient, clock: FakeClock) -> None:
+    run = create_running_run(client, lease_ttl_s=120)
+    (a_id, ah), (b_id, bh) = _two_islands_train_round_zero(client)
+    # The apply offered a path 0 and b path 1 (each island's lowest); an offer is not extended by heartbeats.
+    clock.advance(5)
+    assert client.post(f"/v1/islands/{b_id}/heartbeat", headers=bh).json()["active_lease_ids"] == []
+    taken = lease(client, a_id, ah)
+    assert taken is not None and (taken["round"], taken["path_index"]) == (1, 0)
+    assert taken["expires_at"].startswith("2026-01-01T00:02:05")  # taking an offer starts the lease's full TTL
+    assert taken["modules"][1]["version"] == 1 and taken["token_start"] > 0  # the new round's versions and range
+    # b never asks: 10 s after the round opened its offer has expired and path 1 is anyone's
+    clock.advance(6)
+    client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah)
+    client.post(f"/v1/islands/{b_id}/heartbeat", headers=bh)
+    assert [lease(client, a_id, ah)["path_index"] for _ in range(2)] == [2, 1]  # type: ignore[index]
+    last = lease(client, b_id, bh)
+    assert last is not None and last["path_index"] == 3
+    issued = client.get("/metrics").text
+    assert "dipaco_leases_issued_total 8.0" in issued
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
+
+
+def test_an_island_that_leaves_gives_its_offer_back(client: TestClient, clock: FakeClock) -> None:
+    create_running_run(client)
+    (a_id, ah), (b_id, bh) = _two_islands_train_round_zero(client)
+    assert client.delete(f"/v1/islands/{b_id}", headers=bh).status_code == 204
+    got = [lease(client, a_id, ah) for _ in range(4)]
+    assert [g["path_index"] for g in got if g] == [0, 2, 1, 3]  # b's offer (path 1) went back at once
+
+
+def test_long_polled_lease_request_wakes_when_a_path_is_given_back(client: TestClient) -> None:
+    create_running_run(client)
+    a_id, ah = join(client, "a")
+    b_id, bh = join(client, "b")
+    held = [lease(client, a_id, ah) for _ in range(4)]  # a holds every path
+    assert all(held)
+    idle = client.post(f"/v1/islands/{b_id}/lease?wait=0.3", headers=bh)
+    assert idle.status_code == 204 and idle.headers["Retry-After"] == "0"
+    assert 250 <= int(idle.headers["X-Dipaco-Held-Ms"]) < 3000  # held for the wait, then told to ask again
+
+    got: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: got.append(client.post(f"/v1/islands/{b_id}/lease?wait=30", headers=bh)))
+    started = time.monotonic()
+    waiter.start()
+    time.sleep(0.5)  # b is held now
+    assert client.post(f"/v1/leases/{held[2]['lease_id']}/release", headers=ah).status_code == 200
+    waiter.join(timeout=20)
+    assert got and got[0].status_code == 200, got
+    assert got[0].json()["path_index"] == held[2]["path_index"]
+    assert time.monotonic() - started < 10  # woken by the release, not by the 30 s timeout
+    assert int(got[0].headers["X-Dipaco-Held-Ms"]) >= 300
+    too_long = client.post(f"/v1/islands/{b_id}/lease?wait=61", headers=bh)
+    assert too_long.status_code == 422

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Response
+import time
 
-from coordinator.api.deps import PrincipalDep, SessionDep, StateDep
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
+from coordinator.api.deps import AppState, PrincipalDep, SessionDep, StateDep, authenticate_with
 from coordinator.auth import require, require_island
 from coordinator.schemas import (
+    H_HELD,
     H_IDLE,
     HeartbeatReply,
     IslandJoin,
@@ -20,6 +24,8 @@ from coordinator.services import islands, leases, registry, rounds
 router = APIRouter(prefix="/v1", tags=["islands"])
 
 IDLE_RETRY_AFTER_S = 2
+MAX_LEASE_WAIT_S = 60.0
+"""Longest `?wait=` a lease request may ask for (below the islands' 60 s read timeout plus a margin)."""
 
 
 @router.get("/islands", response_model=ListOf[IslandPublic])
@@ -44,41 +50,103 @@ def join(spec: IslandJoin, session: SessionDep, state: StateDep, principal: Prin
 @router.post("/islands/{island_id}/heartbeat", response_model=HeartbeatReply)
 def heartbeat(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> HeartbeatReply:
     require_island(principal, island_id)
-    now = state.clock()
-    state.metrics.lease_expiries.inc(leases.expire_stale_leases(session, now=now))
-    active = islands.heartbeat(session, island_id, now=now)
+    active = islands.heartbeat(session, island_id, now=state.clock())
     return HeartbeatReply(
         island_id=island_id, active_lease_ids=active, heartbeat_interval_s=state.settings.heartbeat_interval_s
     )
 
 
 @router.delete("/islands/{island_id}", status_code=204)
-def leave(island_id: int, session: SessionDep, principal: PrincipalDep) -> Response:
+def leave(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> Response:
     """An island leaves with its own token; an admin token revokes the island."""
     if principal.scope == "admin":
         islands.leave(session, island_id, status="revoked")
     else:
         require_island(principal, island_id)
         islands.leave(session, island_id, status="left")
+    state.work.notify()  # its paths are free now
     return Response(status_code=204)
 
 
 @router.post(
     "/islands/{island_id}/lease",
     response_model=LeasePublic,
-    responses={204: {"description": f"No work now; header {H_IDLE} says why, Retry-After when to ask again"}},
+    responses={
+        204: {"description": f"No work now; header {H_IDLE} says why, Retry-After when to ask again"},
+    },
 )
-def lease(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> LeasePublic | Response:
+async def lease(
+    island_id: int,
+    request: Request,
+    response: Response,
+    state: StateDep,
+    wait: float = Query(
+        0,
+        ge=0,
+        le=MAX_LEASE_WAIT_S,
+        description="Seconds to hold the request while there is no work (long polling); 0 answers at once",
+    ),
+) -> LeasePublic | Response:
+    """Work for the island: an offer made to it when the last round closed, else a free path of a running run.
+
+    With `wait`, an idle island's request is held until work appears (a round opens, a lease is given back) or
+    the time is up; header `X-Dipaco-Held-Ms` says how long it was held with nothing to do. When no run is
+    running the answer comes at once (an island may want to leave then).
+    """
+    principal = await run_in_threadpool(authenticate_with, state, request.headers.get("authorization"))
     require_island(principal, island_id)
-    now = state.clock()
-    state.metrics.lease_expiries.inc(leases.expire_stale_leases(session, now=now))
-    session.commit()
-    state.metrics.rounds_applied.inc(rounds.apply_ready_rounds(session, state.blobs, now=now, faults=state.faults))
-    affinity = leases.Affinity(
-        reserve_s=state.settings.path_reservation_s, live_s=3 * state.settings.heartbeat_interval_s
-    )
-    issued, reason = leases.acquire_lease(session, island_id, now=now, affinity=affinity)
+    until = time.monotonic() + wait
+    held = 0.0
+    while True:
+        ticket = state.work.ticket()  # a change while this attempt runs wakes the wait below at once
+        async with state.lease_slots:
+            issued, reason = await run_in_threadpool(_lease_once, state, island_id)
+        left = until - time.monotonic()
+        if issued is not None or left <= 0 or reason == "no-running-runs":  # nothing to wait for: say so now
+            break
+        started = time.monotonic()
+        await state.work.wait(ticket, left)
+        held += time.monotonic() - started
+    held_ms = str(round(held * 1000))
     if issued is None:
-        return Response(status_code=204, headers={H_IDLE: reason, "Retry-After": str(IDLE_RETRY_AFTER_S)})
-    state.metrics.leases_issued.inc()
-    return leases.lease_public(session, issued)
+        # a long poll that ran out may ask again at once
+        retry = 0 if wait > 0 and reason == "waiting" else IDLE_RETRY_AFTER_S
+        return Response(status_code=204, headers={H_IDLE: reason, "Retry-After": str(retry), H_HELD: held_ms})
+    response.headers[H_HELD] = held_ms
+    return issued
+
+
+def _lease_once(state: AppState, island_id: int) -> tuple[LeasePublic | None, str]:
+    """One attempt: take an offer, else a free path; a round past its deadline may close on the way."""
+    now = state.clock()
+    with state.sessions() as session:
+        offered = leases.take_offer(session, island_id, now=now)
+        if offered is not None:
+            state.metrics.leases_issued.inc()
+            return offered, "leased"
+        issued, reason = None, "no-running-runs"
+        for attempt in range(2):
+            open_rounds = leases.open_rounds(session)
+            if not open_rounds:
+                break
+            reason = "waiting"
+            issued, expired = leases.acquire_lease(session, island_id, open_rounds, now=now, affinity=state.affinity)
+            state.metrics.lease_expiries.inc(expired)
+            if issued is not None or attempt:
+                break
+            # Nothing free: a round past its deadline may close now on quorum, and its successor has work.
+            due = [r.run_id for r in open_rounds if r.deadline is not None and now >= r.deadline]
+            applied = sum(
+                rounds.maybe_apply_round(
+                    session, state.blobs, run_id, now=now, faults=state.faults, affinity=state.affinity
+                )
+                for run_id in due
+            )
+            state.metrics.rounds_applied.inc(applied)
+            if not applied:
+                break
+            state.work.notify()
+        session.rollback()
+    if issued is not None:
+        state.metrics.leases_issued.inc()
+    return issued, reason

@@ -7,7 +7,8 @@ import math
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
 
-from coordinator.api.deps import AppState, PrincipalDep, SessionDep, StateDep, authenticate_with, spool_body
+from coordinator.api.deps import AppState, PrincipalDep, SessionDep, StateDep, authenticate_with
+from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.errors import Invalid, ServiceError
 from coordinator.schemas import ContributionPublic, LeaseStatus
@@ -78,7 +79,7 @@ async def _upload(
     def _submit() -> ContributionPublic:
         now = state.clock()
         with state.sessions() as session:
-            contribution, created = uploads.submit_outer_gradients(
+            submitted = uploads.submit_outer_gradients(
                 session,
                 state.blobs,
                 lease_id=lease_id,
@@ -91,18 +92,20 @@ async def _upload(
                 now=now,
                 faults=state.faults,
             )
+            contribution, created = submitted.contribution, submitted.created
             state.metrics.contributions.labels(result="accepted" if created else "duplicate").inc()
             applied = created and rounds.maybe_apply_round(
-                session, state.blobs, contribution.run_id, now=now, faults=state.faults
+                session, state.blobs, contribution.run_id, now=now, faults=state.faults, affinity=state.affinity
             )
             state.metrics.rounds_applied.inc(int(applied))
-            lease = leases.get_lease(session, lease_id)
+            if applied:
+                state.work.notify()  # held lease requests: the next round is open
             return ContributionPublic(
                 id=contribution.id,
                 lease_id=lease_id,
                 run_id=contribution.run_id,
                 round=contribution.round,
-                path_index=leases.lease_path_index(session, lease),
+                path_index=submitted.path_index,
                 tokens=contribution.tokens,
                 train_loss=contribution.train_loss,
                 status="accepted",
@@ -116,9 +119,10 @@ async def _upload(
 
 
 @router.post("/leases/{lease_id}/release", response_model=LeaseStatus)
-def release(lease_id: int, session: SessionDep, principal: PrincipalDep) -> LeaseStatus:
+def release(lease_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> LeaseStatus:
     """Give a lease back at once (e.g. on Ctrl-C) so its path goes back to the pool without waiting the TTL."""
     require(principal, "island")
     assert principal.island_id is not None
     lease = leases.release_lease(session, lease_id, principal.island_id)
+    state.work.notify()  # its path is free again
     return LeaseStatus(lease_id=lease.id, status=lease.status)  # type: ignore[arg-type]

@@ -4,7 +4,8 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from coordinator.api.deps import PrincipalDep, SessionDep, StateDep, authenticate_with, spool_body
+from coordinator.api.deps import PrincipalDep, SessionDep, StateDep, authenticate_with
+from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.schemas import (
     H_CONTENT_HASH,
@@ -111,6 +112,7 @@ def shard_tokens(shard_id: int, request: Request, session: SessionDep, state: St
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"ETag": etag})
     state.metrics.bytes_out.inc(shard.num_tokens * 2)
+    session.rollback()  # the read is done: no database connection held while the shard streams
     return StreamingResponse(
         state.blobs.iter_verified(shard.tokens_hash),
         media_type="application/octet-stream",

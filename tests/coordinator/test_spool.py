@@ -1,0 +1,183 @@
+"""Streamed request bodies over real HTTP (uvicorn on loopback, in this process): the spool thread hashes and
+writes every byte in order, and an oversize or abandoned body leaves neither a temporary file nor a thread."""
+
+from __future__ import annotations
+
+import hashlib
+import resource
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from coordinator.api import spool as spooling
+from coordinator.app import create_app
+from coordinator.schemas import GRAD_KEY_SEP
+from coordinator.settings import Settings
+from modules import ModelConfig, encode, level_param_shapes, parse_layout
+from tests.conftest import ADMIN, FakeClock
+from tests.coordinator.helpers import TINY_RUN, A, J
+
+RUN = {**TINY_RUN, "model": {**TINY_RUN["model"], "d_model": 192}}
+"""A path's outer gradients are ~3.6 MB here: several spool buffers and a partial last one."""
+
+
+@contextmanager
+def served(settings: Settings, clock: FakeClock) -> Iterator[str]:
+    """The coordinator app under uvicorn (httptools, uvloop when installed) on a thread; its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, clock=clock), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def spool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dipaco-spool-")]
+
+
+def assert_nothing_left(settings: Settings) -> None:
+    """No spool thread outlives its request (given a moment to exit), no temporary file stays behind."""
+    for t in spool_threads():
+        t.join(timeout=10)
+    assert spool_threads() == []
+    assert list((settings.data_dir / "spool").iterdir()) == []
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def in_pieces(data: bytes, size: int) -> Iterator[memoryview]:
+    view = memoryview(data)
+    for start in range(0, len(view), size):
+        yield view[start : start + size]
+
+
+def running_lease(http: httpx.Client) -> tuple[dict[str, Any], dict[str, str]]:
+    run = http.post("/v1/runs", json=RUN, headers=A).json()
+    for p in range(run["num_paths"]):
+        tokens = torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(p)).to(torch.int16)
+        r = http.post(f"/v1/runs/{run['id']}/shards/{p}?num_documents=2", content=tokens.numpy().tobytes(), headers=A)
+        assert r.status_code == 201, r.text
+    joined = http.post("/v1/islands", json={"name": "spool"}, headers=J).json()
+    h = {"Authorization": f"Bearer {joined['token']}"}
+    r = http.post(f"/v1/islands/{joined['island_id']}/lease", headers=h)
+    assert r.status_code == 200, r.text
+    return r.json(), h
+
+
+def outer_gradients(lease: dict[str, Any]) -> bytes:
+    cfg = ModelConfig.from_dict(lease["model"])
+    layout = parse_layout(RUN["layout"], n_layers=cfg.n_layers)
+    gen = torch.Generator().manual_seed(0)
+    grads = {
+        f"{m['level_name']}{GRAD_KEY_SEP}{name}": torch.randn(shape, generator=gen) * 1e-3
+        for m in lease["modules"]
+        for name, shape in level_param_shapes(cfg, layout, m["level"]).items()
+    }
+    return encode(grads)
+
+
+def upload_headers(lease: dict[str, Any], h: dict[str, str]) -> dict[str, str]:
+    return {**h, "X-Dipaco-Round": str(lease["round"]), "X-Dipaco-Tokens": "32", "X-Dipaco-Train-Loss": "5.0"}
+
+
+@pytest.mark.parametrize("buffer,in_flight", [(spooling.SPOOL_BUFFER, spooling.SPOOL_IN_FLIGHT), (100_003, 1)])
+def test_body_in_odd_pieces_is_hashed_and_stored_byte_for_byte(
+    settings: Settings, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, buffer: int, in_flight: int
+) -> None:
+    # (100_003, 1): many buffers, each straddling the server's chunks, and the event loop waiting on every one
+    monkeypatch.setattr(spooling, "SPOOL_BUFFER", buffer)
+    monkeypatch.setattr(spooling, "SPOOL_IN_FLIGHT", in_flight)
+    with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:
+        lease, h = running_lease(http)
+        payload = outer_gradients(lease)
+        assert len(payload) > 3 * (1 << 20)
+        r = http.post(
+            f"/v1/leases/{lease['lease_id']}/outer-gradients",
+            content=in_pieces(payload, 77_777),
+            headers={**upload_headers(lease, h), "Content-Length": str(len(payload))},
+        )
+        assert r.status_code == 200, r.text
+    digest = hashlib.sha256(payload).hexdigest()
+    stored = Path(settings.resolved_blob_url) / digest[:2] / digest  # named by the hash the spool computed
+    assert stored.read_bytes() == payload
+    assert_nothing_left(settings)
+
+
+def test_body_over_the_limit_without_a_length_is_refused_mid_stream(settings: Settings, clock: FakeClock) -> None:
+    settings.max_upload_bytes = 3_000_000  # past the first spool buffers: the spool thread is running by then
+    with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:
+        joined = http.post("/v1/islands", json={"name": "big"}, headers=J).json()
+        h = {"Authorization": f"Bearer {joined['token']}"}
+        r = http.post(  # a generator without Content-Length: chunked, so only counting the bytes can stop it
+            "/v1/leases/1/outer-gradients",
+            content=in_pieces(b"\x00" * 3_200_000, 65_536),
+            headers={**h, "X-Dipaco-Tokens": "1", "X-Dipaco-Train-Loss": "1.0"},
+        )
+        assert r.status_code == 413 and r.json()["detail"] == "body is over the 3000000-byte limit", r.text
+        assert_nothing_left(settings)
+
+
+def test_client_gone_mid_body_leaves_no_spool_file(settings: Settings, clock: FakeClock) -> None:
+    spool = settings.data_dir / "spool"
+    with served(settings, clock) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(
+                b"POST /v1/runs/1/shards/0?num_documents=1 HTTP/1.1\r\n"
+                + f"Host: {host}\r\nAuthorization: Bearer {ADMIN}\r\nContent-Length: 4000000\r\n\r\n".encode()
+            )
+            s.sendall(b"\x01\x00" * 750_000)
+            wait_for(lambda: any(spool.iterdir()), "the server to start spooling")
+        # closed after 1.5 of 4 MB: the server sees the disconnect, stops the spool thread, removes the file
+        wait_for(lambda: not any(spool.iterdir()), "the spool file to be removed")
+        assert_nothing_left(settings)
+
+
+def test_write_error_on_the_spool_thread_fails_the_request_and_leaves_nothing(
+    settings: Settings, clock: FakeClock
+) -> None:
+    """A real write error: with RLIMIT_FSIZE at 1.5 MB, writing past it fails with EFBIG (SIGXFSZ ignored)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:
+            joined = http.post("/v1/islands", json={"name": "full"}, headers=J).json()
+            h = {"Authorization": f"Bearer {joined['token']}"}
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1_500_000, hard))
+            try:
+                r = http.post(
+                    "/v1/leases/1/outer-gradients",
+                    content=in_pieces(b"\x00" * 3_000_000, 65_536),
+                    headers={**h, "X-Dipaco-Tokens": "1", "X-Dipaco-Train-Loss": "1.0", "Content-Length": "3000000"},
+                )
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            assert r.status_code == 500, r.text  # the island retries a 5xx
+            assert_nothing_left(settings)
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
