@@ -19,7 +19,12 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Eng
     if url.startswith("sqlite"):
         if url.startswith("sqlite:///") and not url.startswith("sqlite:///:memory:"):
             Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        engine = create_engine(
+            url,
+            connect_args={"timeout": 60, "check_same_thread": False},
+            pool_size=pool_size,
+            max_overflow=max_overflow,
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
+from fastapi.routing import APIRoute
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -89,3 +92,30 @@ def get_principal(
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+class SessionRoute(APIRoute):
+    """Routes whose sync endpoint takes the request `session` close it in the endpoint's own worker thread.
+
+    FastAPI validates a sync endpoint's return value on another worker thread and tears dependencies down after
+    that; a session left with an open read transaction would hold its connection through both waits. With as
+    many connections as threads, requests holding connections while queueing for threads, and threads queueing
+    for connections, stall until the pool times out (tests/coordinator/test_concurrency.py). Endpoints return
+    pydantic models built inside them, so nothing needs the session afterwards.
+    """
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if not inspect.iscoroutinefunction(endpoint) and "session" in inspect.signature(endpoint).parameters:
+            endpoint = _closing_session(endpoint)
+        super().__init__(path, endpoint, **kwargs)
+
+
+def _closing_session(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(endpoint)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return endpoint(*args, **kwargs)
+        finally:
+            kwargs["session"].close()
+
+    return run

@@ -6,10 +6,10 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
-from coordinator.api.deps import SessionDep, StateDep
+from coordinator.api.deps import SessionDep, SessionRoute, StateDep
 from coordinator.services.islands import count_active
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=SessionRoute)
 
 
 @router.get("/healthz")

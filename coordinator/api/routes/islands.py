@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from coordinator.api.deps import AppState, PrincipalDep, SessionDep, StateDep, authenticate_with
+from coordinator.api.deps import AppState, PrincipalDep, SessionDep, SessionRoute, StateDep, authenticate_with
 from coordinator.auth import require, require_island
 from coordinator.schemas import (
     H_HELD,
@@ -21,7 +21,7 @@ from coordinator.schemas import (
 )
 from coordinator.services import islands, leases, registry, rounds
 
-router = APIRouter(prefix="/v1", tags=["islands"])
+router = APIRouter(prefix="/v1", tags=["islands"], route_class=SessionRoute)
 
 IDLE_RETRY_AFTER_S = 2
 MAX_LEASE_WAIT_S = 60.0

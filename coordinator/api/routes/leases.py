@@ -7,14 +7,14 @@ import math
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
 
-from coordinator.api.deps import AppState, PrincipalDep, SessionDep, StateDep, authenticate_with
+from coordinator.api.deps import AppState, PrincipalDep, SessionDep, SessionRoute, StateDep, authenticate_with
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.errors import Invalid, ServiceError
 from coordinator.schemas import ContributionPublic, LeaseStatus
 from coordinator.services import leases, rounds, uploads
 
-router = APIRouter(prefix="/v1", tags=["leases"])
+router = APIRouter(prefix="/v1", tags=["leases"], route_class=SessionRoute)
 
 
 def _parse_float(name: str, value: str | None) -> float:

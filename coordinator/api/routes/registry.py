@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy import select
 
-from coordinator.api.deps import PrincipalDep, SessionDep, StateDep
+from coordinator.api.deps import PrincipalDep, SessionDep, SessionRoute, StateDep
 from coordinator.errors import NotFound
 from coordinator.models import ModuleVersion
 from coordinator.schemas import H_CONTENT_HASH, ListOf, ModulePublic, PathPublic
 from coordinator.services import registry
 
-router = APIRouter(prefix="/v1", tags=["registry"])
+router = APIRouter(prefix="/v1", tags=["registry"], route_class=SessionRoute)
 
 
 @router.get("/modules", response_model=ListOf[ModulePublic])

@@ -4,7 +4,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from coordinator.api.deps import PrincipalDep, SessionDep, StateDep, authenticate_with
+from coordinator.api.deps import PrincipalDep, SessionDep, SessionRoute, StateDep, authenticate_with
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.schemas import (
@@ -18,7 +18,7 @@ from coordinator.schemas import (
 )
 from coordinator.services import registry, runs, shards
 
-router = APIRouter(prefix="/v1", tags=["runs"])
+router = APIRouter(prefix="/v1", tags=["runs"], route_class=SessionRoute)
 
 
 @router.get("/runs", response_model=ListOf[RunPublic])
