@@ -6,6 +6,10 @@
 
 Targets: upload >= 0.5x raw socket; aggregate peak RSS flat in K and <= 3x module + 300 MB; islands p99 < 100 ms
 with zero lost contributions.
+
+The islands run used in docs/LOG.md: `islands --islands 256 --seconds 100 --train-s 30 --ramp-s 20` (each simulated
+island long-polls for leases, heartbeats every 10 s and "trains" train_s x U(0.7, 1.3)); BENCH_TRACE=file writes
+every request as (start s, kind, ms, status), BENCH_LOG_LEVEL=info keeps the coordinator's log.
 """
 
 from __future__ import annotations
