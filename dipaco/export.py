@@ -15,10 +15,9 @@ path, as at training and evaluation time (DiPaCo §2.4).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -34,6 +33,7 @@ from modules import ModelConfig, PathModel, compose_state
 from router.eval_cli import EvalError, _client, fetch_run_paths, load_router
 from router.router import RouterError
 from router.tokenizer import ByteTokenizer
+from router.user_errors import user_errors
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -137,13 +137,8 @@ def routed_model(client: httpx.Client, *, run_id: int, router_dir: Path, prompt:
 # ----------------------------------------------------------------------------------------------------- CLI
 
 
-@contextmanager
-def _user_errors(console: Console) -> Iterator[None]:
-    try:
-        yield
-    except (ExportError, EvalError, RouterError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(code=1) from exc
+def _user_errors(console: Console) -> contextlib.AbstractContextManager[None]:
+    return user_errors(console, ExportError, EvalError, RouterError, ValueError)
 
 
 def _token(token: str, console: Console) -> str:

@@ -6,7 +6,10 @@ are stable across versions and across the paths that share it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -17,20 +20,15 @@ from modules.model import PathModel, init_state
 Tensors = dict[str, torch.Tensor]
 
 
-_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
-"""Parameter shapes per model config (keyed by its repr): the coordinator checks them on every upload."""
-
-
 def _model_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    key = repr(cfg)
-    shapes = _SHAPES.get(key)
-    if shapes is None:
-        with torch.device("meta"):  # shapes only: no memory, no random init
-            shapes = {name: tuple(t.shape) for name, t in PathModel(cfg).state_dict().items()}
-        if len(_SHAPES) >= 64:
-            _SHAPES.clear()
-        _SHAPES[key] = shapes
-    return shapes
+    """Parameter shapes of the path model; cached, the coordinator checks them on every upload."""
+    return _shapes_of(tuple(sorted(dataclasses.asdict(cfg).items())))
+
+
+@functools.lru_cache(maxsize=64)
+def _shapes_of(fields: tuple[tuple[str, Any], ...]) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):  # shapes only: no memory, no random init
+        return {name: tuple(t.shape) for name, t in PathModel(ModelConfig(**dict(fields))).state_dict().items()}
 
 
 def level_param_shapes(cfg: ModelConfig, layout: Layout, level_index: int) -> dict[str, tuple[int, ...]]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +18,7 @@ from router.model_features import FeaturizerError, load_exported
 from router.router import RouterError
 from router.shards import ShardError, load_manifest, shard_corpus
 from router.sources import FORMATS, build_corpus_from
+from router.user_errors import user_errors
 
 app = typer.Typer(help="Corpus and routing: build the local corpus, fit the router, write shards.",
                   no_args_is_help=True)
@@ -35,14 +35,11 @@ def _console() -> Console:
     return Console()
 
 
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """Expected failures become one red line and exit code 1, not a traceback."""
-    try:
-        yield
-    except (CorpusError, RouterError, ShardError, RegistrationError, FeaturizerError) as exc:
-        _console().print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(code=1) from exc
+ROUTER_ERRORS = (CorpusError, RouterError, ShardError, RegistrationError, FeaturizerError)
+
+
+def _user_errors() -> contextlib.AbstractContextManager[None]:
+    return user_errors(_console(), *ROUTER_ERRORS)
 
 
 @app.command()
@@ -233,7 +230,7 @@ def refit(
     if not token:
         console.print("[red]error:[/red] no token: pass --token or set DIPACO_TOKEN")
         raise typer.Exit(code=1)
-    with _user_errors(), eval_cli._user_errors(console):
+    with user_errors(console, *ROUTER_ERRORS, *eval_cli.EVAL_ERRORS):
         base = eval_cli.load_router(router)
         documents = eval_cli.load_documents(corpus, split)
         with eval_cli._client(coordinator, token) as client:

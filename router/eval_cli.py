@@ -31,6 +31,7 @@ from router.corpus import CorpusError, iter_jsonl
 from router.evaluate import EvalResult, evaluate_routed
 from router.router import Router, RouterError
 from router.tokenizer import ByteTokenizer
+from router.user_errors import user_errors
 
 REQUEST_TIMEOUT_S = 60.0
 """One module download (a few MB to a few hundred MB over a LAN) must finish within this."""
@@ -175,13 +176,7 @@ def _client(coordinator: str, token: str) -> Iterator[httpx.Client]:
         yield client
 
 
-@contextmanager
-def _user_errors(console: Console) -> Iterator[None]:
-    try:
-        yield
-    except (EvalError, RouterError, CorpusError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(code=1) from exc
+EVAL_ERRORS = (EvalError, RouterError, CorpusError, ValueError)
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -218,7 +213,7 @@ def eval_command(
     if not token:
         console.print("[red]error:[/red] no token: pass --token or set DIPACO_TOKEN")
         raise typer.Exit(code=1)
-    with _user_errors(console):
+    with user_errors(console, *EVAL_ERRORS):
         routing = load_router(router)
         documents = load_documents(corpus, split)
         tokenizer = find_tokenizer(router)

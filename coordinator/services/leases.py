@@ -183,21 +183,22 @@ def _new_lease(
     run: Run,
     path: Path,
     island_id: int,
-    shard: LeaseShard,
-    modules: list[LeaseModule],
     *,
+    num_tokens: int,
+    base_versions: dict[str, int],
     status: str,
     expires: datetime,
     now: datetime,
 ) -> Lease:
-    start, end, epoch = _token_range(run, path, shard.num_tokens)
+    """A lease on the path's next token range of a shard of `num_tokens`, for modules at `base_versions`."""
+    start, end, epoch = _token_range(run, path, num_tokens)
     return Lease(
         run_id=run.id,
         island_id=island_id,
         path_id=path.id,
         round=run.current_round,
         status=status,
-        base_versions={str(m.module_id): m.version for m in modules},
+        base_versions=base_versions,
         token_start=start,
         token_end=end,
         epoch=epoch,
@@ -231,7 +232,17 @@ def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list
 def _issue(session: Session, run: Run, path: Path, island_id: int, *, now: datetime) -> LeasePublic:
     shard, modules = _shard(session, run.id, path.index), _modules(session, path.id)
     expires = now + timedelta(seconds=run.lease_ttl_s)
-    lease = _new_lease(run, path, island_id, shard, modules, status="active", expires=expires, now=now)
+    versions = {str(m.module_id): m.version for m in modules}
+    lease = _new_lease(
+        run,
+        path,
+        island_id,
+        num_tokens=shard.num_tokens,
+        base_versions=versions,
+        status="active",
+        expires=expires,
+        now=now,
+    )
     session.add(lease)
     session.flush()
     return _public(run, path, lease, shard, modules)
@@ -258,25 +269,28 @@ def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
     if not chosen:
         return 0
     paths = {path.id: path for path in chosen.values()}
-    shards = {
-        index: LeaseShard(shard_id=shard_id, tokens_hash=tokens_hash, num_tokens=num_tokens)
-        for shard_id, index, tokens_hash, num_tokens in session.execute(
-            select(Shard.id, Shard.path_index, Shard.tokens_hash, Shard.num_tokens).where(Shard.run_id == run.id)
-        )
+    num_tokens = {
+        index: n
+        for index, n in session.execute(select(Shard.path_index, Shard.num_tokens).where(Shard.run_id == run.id))
     }
-    versions: dict[int, list[LeaseModule]] = {path_id: [] for path_id in paths}
-    for path_id, module_id, level, version, weights in session.execute(
-        select(PathModule.path_id, Module.id, Module.level_index, Module.version, Module.weights_hash)
+    versions: dict[int, dict[str, int]] = {path_id: {} for path_id in paths}
+    for path_id, module_id, version in session.execute(
+        select(PathModule.path_id, Module.id, Module.version)
         .join(Module, Module.id == PathModule.module_id)
         .where(PathModule.path_id.in_(list(paths)))
     ):
-        versions[path_id].append(
-            LeaseModule(level=level, level_name="", module_id=module_id, version=version, weights_hash=weights)
-        )
+        versions[path_id][str(module_id)] = version
     expires = now + timedelta(seconds=affinity.reserve_s)
     session.add_all(
         _new_lease(
-            run, path, island_id, shards[path.index], versions[path.id], status="offered", expires=expires, now=now
+            run,
+            path,
+            island_id,
+            num_tokens=num_tokens[path.index],
+            base_versions=versions[path.id],
+            status="offered",
+            expires=expires,
+            now=now,
         )
         for island_id, path in chosen.items()
     )

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
-import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
-from coordinator.settings import Settings
 from modules import OuterConfig, decode, nesterov_step
 from tests.conftest import FakeClock
 from tests.coordinator.helpers import TINY_RUN, A, J, create_running_run, join, lease, train_lease, upload
-
-
-@pytest.fixture
-def client(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, clock=clock)) as c:
-        yield c
 
 
 def test_create_run_registers_modules_paths_and_round_zero(client: TestClient) -> None:

@@ -3,22 +3,10 @@ values whose sum overflows float32 are accepted (the check sums first and counts
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
-from coordinator.settings import Settings
-from tests.conftest import FakeClock
 from tests.coordinator.helpers import create_running_run, join, lease, train_lease, upload
-
-
-@pytest.fixture
-def client(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, clock=clock)) as c:
-        yield c
 
 
 def test_non_finite_values_are_counted_in_the_tensor_that_holds_them(client: TestClient) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.orm import Session
 
 from coordinator.api.deps import AppState, PrincipalDep, SessionDep, SessionRoute, StateDep, authenticate_with
 from coordinator.auth import require, require_island
@@ -120,33 +122,36 @@ def _lease_once(state: AppState, island_id: int) -> tuple[LeasePublic | None, st
     """One attempt: take an offer, else a free path; a round past its deadline may close on the way."""
     now = state.clock()
     with state.sessions() as session:
-        offered = leases.take_offer(session, island_id, now=now)
-        if offered is not None:
-            state.metrics.leases_issued.inc()
-            return offered, "leased"
-        issued, reason = None, "no-running-runs"
-        for attempt in range(2):
-            open_rounds = leases.open_rounds(session)
-            if not open_rounds:
-                break
-            reason = "waiting"
-            issued, expired = leases.acquire_lease(session, island_id, open_rounds, now=now, affinity=state.affinity)
-            state.metrics.lease_expiries.inc(expired)
-            if issued is not None or attempt:
-                break
-            # Nothing free: a round past its deadline may close now on quorum, and its successor has work.
-            due = [r.run_id for r in open_rounds if r.deadline is not None and now >= r.deadline]
-            applied = sum(
-                rounds.maybe_apply_round(
-                    session, state.blobs, run_id, now=now, faults=state.faults, affinity=state.affinity
-                )
-                for run_id in due
-            )
-            state.metrics.rounds_applied.inc(applied)
-            if not applied:
-                break
-            state.work.notify()
+        issued, reason = leases.take_offer(session, island_id, now=now), "leased"
+        if issued is None:
+            issued, reason = _free_path(state, session, island_id, now=now)
         session.rollback()
     if issued is not None:
         state.metrics.leases_issued.inc()
+    return issued, reason
+
+
+def _free_path(state: AppState, session: Session, island_id: int, *, now: datetime) -> tuple[LeasePublic | None, str]:
+    issued, reason = None, "no-running-runs"
+    for attempt in range(2):
+        open_rounds = leases.open_rounds(session)
+        if not open_rounds:
+            break
+        reason = "waiting"
+        issued, expired = leases.acquire_lease(session, island_id, open_rounds, now=now, affinity=state.affinity)
+        state.metrics.lease_expiries.inc(expired)
+        if issued is not None or attempt:
+            break
+        # Nothing free: a round past its deadline may close now on quorum, and its successor has work.
+        due = [r.run_id for r in open_rounds if r.deadline is not None and now >= r.deadline]
+        applied = sum(
+            rounds.maybe_apply_round(
+                session, state.blobs, run_id, now=now, faults=state.faults, affinity=state.affinity
+            )
+            for run_id in due
+        )
+        state.metrics.rounds_applied.inc(applied)
+        if not applied:
+            break
+        state.work.notify()
     return issued, reason

@@ -1,0 +1,18 @@
+"""The coordinator app through Starlette's TestClient, on the parametrised database and the fake clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from coordinator.app import create_app
+from coordinator.settings import Settings
+from tests.conftest import FakeClock
+
+
+@pytest.fixture
+def client(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
+    with TestClient(create_app(settings, clock=clock)) as c:
+        yield c
