@@ -3,13 +3,17 @@
   python bench/bench_coordinator.py upload    [--mb 100]       upload+accept vs a raw loopback socket transfer
   python bench/bench_coordinator.py aggregate [--mb 100]       peak RSS of a round apply for K = 4, 16, 64
   python bench/bench_coordinator.py islands   [--islands 256]  simulated islands on PostgreSQL: p50/p99 latency
+  python bench/bench_coordinator.py cost      [--islands 200]  coordinator CPU per request kind vs /healthz
 
 Targets: upload >= 0.5x raw socket; aggregate peak RSS flat in K and <= 3x module + 300 MB; islands p99 < 100 ms
 with zero lost contributions.
 
-The islands run used in docs/LOG.md: `islands --islands 256 --seconds 100 --train-s 30 --ramp-s 20` (each simulated
-island long-polls for leases, heartbeats every 10 s and "trains" train_s x U(0.7, 1.3)); BENCH_TRACE=file writes
-every request as (start s, kind, ms, status), BENCH_LOG_LEVEL=info keeps the coordinator's log.
+The islands run used in docs/LOG.md: `islands --islands 256 --seconds 100 --train-s 30 --ramp-s 20` (a 256-path
+run; each simulated island long-polls for leases, heartbeats every 10 s and "trains" train_s x U(0.7, 1.3)). Its
+report splits lease latency into what the islands saw and what the coordinator says it spent (`Server-Timing`),
+and gives both processes' CPU seconds (they share the machine). BENCH_TRACE=file writes every request as
+(start s, kind, ms, status, held ms) and both CPU counters once a second; BENCH_LOG_LEVEL=info keeps the
+coordinator's log.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
@@ -386,15 +391,18 @@ def bench_aggregate(mb: float, ks: list[int]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- islands
 
 
-async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ramp_s: float) -> dict[str, Any]:
+async def bench_islands(
+    n: int, seconds: float, workers: int, train_s: float, ramp_s: float, paths: int
+) -> dict[str, Any]:
     url_db = pg_database()
     tmp = Path(tempfile.mkdtemp(prefix="dipaco-islands-"))
     proc, url = start_coordinator(tmp / "coordinator", url_db, workers=workers)
-    latencies: dict[str, list[float]] = {"lease": [], "heartbeat": [], "upload": []}
+    latencies: dict[str, list[float]] = {"lease": [], "heartbeat": [], "upload": [], "lease (server)": []}
     accepted = 0
     errors: list[str] = []
     try:
-        layout = "embed:shared, b0-0:routed16, b1-1:routed16, head:shared"  # 256 paths
+        k = math.isqrt(paths - 1) + 1  # k x k paths: 256 -> 16 x 16
+        layout = f"embed:shared, b0-0:routed{k}, b1-1:routed{k}, head:shared"
         spec = {
             "name": "islands",
             "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
@@ -415,10 +423,22 @@ async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ra
                     for i in range(n)
                 ]
             )
+            # Before the clock starts: every island's client (an AsyncClient costs ~40 ms of CPU to make) and the
+            # payload (every path has the same tensor names and shapes), so the simulator's own start-up work does
+            # not show as coordinator latency.
+            clients = [httpx.AsyncClient(base_url=url, timeout=30) for _ in range(n)]
+            levels = [name.split(":")[0].strip() for name in layout.split(",")]
+            payload = grads_for(
+                {
+                    "run_id": run["id"],
+                    "lease_id": 0,
+                    "model": run["config"]["model"],
+                    "modules": [{"level": i, "level_name": name} for i, name in enumerate(levels)],
+                }
+            )
             stop = time.monotonic() + seconds
-            payloads: dict[int, bytes] = {}
             rng = random.Random(0)
-            trace: list[tuple[float, str, float, int]] = []
+            trace: list[tuple[float, str, float, int, float]] = []
             t0 = time.perf_counter()
 
             async def timed(kind: str, coro: Any) -> httpx.Response:
@@ -427,7 +447,10 @@ async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ra
                 # a long-polled lease request is held on purpose while there is no work: not latency
                 held = float(r.headers.get("X-Dipaco-Held-Ms", 0))
                 latencies[kind].append((time.perf_counter() - t) * 1000 - held)
-                trace.append((t - t0, kind, latencies[kind][-1], r.status_code))
+                server = r.headers.get("Server-Timing", "").partition("dur=")[2]  # lease requests say it
+                if server:
+                    latencies[f"{kind} (server)"].append(float(server))
+                trace.append((t - t0, kind, latencies[kind][-1], r.status_code, held))
                 return r
 
             async def heartbeats(client: httpx.AsyncClient, iid: int, h: dict[str, str]) -> None:
@@ -440,13 +463,13 @@ async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ra
                         errors.append(f"heartbeat {exc!r}")
                     await asyncio.sleep(HEARTBEAT_S)
 
-            async def island(j: httpx.Response, start_after: float) -> None:
+            async def island(j: httpx.Response, client: httpx.AsyncClient, start_after: float) -> None:
                 nonlocal accepted
                 await asyncio.sleep(start_after)  # islands come up over `ramp_s`, as a pool of machines does
                 body = j.json()
                 iid, h = body["island_id"], {"Authorization": f"Bearer {body['token']}"}
                 # like a real island: its own connections (a shared pool of hundreds of connections is slow)
-                async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                async with client:
                     beat = asyncio.create_task(heartbeats(client, iid, h))
                     while time.monotonic() < stop:
                         try:
@@ -459,16 +482,13 @@ async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ra
                             continue
                         if r.status_code == 200:
                             lease = r.json()
-                            key = len(lease["modules"])  # every path has the same tensor names and shapes: encode once
-                            if key not in payloads:
-                                payloads[key] = grads_for(lease)
                             await asyncio.sleep(train_s * rng.uniform(0.7, 1.3))  # "training" (islands differ)
                             try:
                                 u = await timed(
                                     "upload",
                                     client.post(
                                         f"/v1/leases/{lease['lease_id']}/outer-gradients",
-                                        content=payloads[key],
+                                        content=payload,
                                         headers={
                                             **h,
                                             "X-Dipaco-Round": str(lease["round"]),
@@ -491,9 +511,18 @@ async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ra
                             await asyncio.sleep(1.0)
                     await beat
 
-            await asyncio.gather(*[island(j, ramp_s * i / n) for i, j in enumerate(joined)])
+            async def sample_cpu() -> None:  # where the two processes spend the box's two cores, once a second
+                while time.monotonic() < stop + 60:
+                    cpu.append((time.perf_counter() - t0, process_cpu_s(proc.pid), time.process_time()))
+                    await asyncio.sleep(1.0)
+
+            cpu: list[tuple[float, float, float]] = []
+            sampler = asyncio.create_task(sample_cpu())
+            await asyncio.gather(*[island(j, clients[i], ramp_s * i / n) for i, j in enumerate(joined)])
+            sampler.cancel()
+            cpu.append((time.perf_counter() - t0, process_cpu_s(proc.pid), time.process_time()))
             if os.environ.get("BENCH_TRACE"):
-                Path(os.environ["BENCH_TRACE"]).write_text(json.dumps(trace))
+                Path(os.environ["BENCH_TRACE"]).write_text(json.dumps({"requests": trace, "cpu": cpu}))
         # an overloaded coordinator is still working through requests whose clients gave up: give it time
         with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
             stored = admin.get("/v1/contributions", params={"run_id": run["id"], "limit": 1}).json()["count"]
@@ -502,7 +531,7 @@ async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ra
         proc.terminate()
         proc.wait()
         drop_pg(url_db)
-    everything = [x for v in latencies.values() for x in v]
+    everything = [x for kind, v in latencies.items() if "server" not in kind for x in v]
     summary = {
         kind: {"n": len(v), "p50_ms": float(np.percentile(v, 50)), "p99_ms": float(np.percentile(v, 99))}
         for kind, v in latencies.items()
@@ -512,12 +541,15 @@ async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ra
     return {
         "bench": "islands",
         "islands": n,
+        "paths": k * k,
         "workers": workers,
         "seconds": seconds,
         "train_s": train_s,
         "ramp_s": ramp_s,
         "latency": summary,
         "p99_all_ms": p99,
+        "cpu_s": {"coordinator": round(cpu[-1][1] - cpu[0][1], 1), "simulator": round(cpu[-1][2] - cpu[0][2], 1)},
+        "wall_s": round(cpu[-1][0] - cpu[0][0], 1),
         "accepted": accepted,
         "stored": stored,
         "rounds_applied": rounds,
@@ -526,13 +558,120 @@ async def bench_islands(n: int, seconds: float, workers: int, train_s: float, ra
     }
 
 
+# ------------------------------------------------------------------------------------------------ cost
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, threads that ended included (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_cost(n: int) -> dict[str, Any]:
+    """Coordinator CPU per request, one request at a time, by kind; ratio = kind / the healthz floor.
+
+    A 256-path run and `n` islands on PostgreSQL: n lease grants (free paths), n heartbeats, n idle lease polls
+    (every path leased), n uploads, the round apply (the rest of the paths uploaded), n offer take-ups.
+    """
+    url_db = pg_database()
+    tmp = Path(tempfile.mkdtemp(prefix="dipaco-cost-"))
+    proc, url = start_coordinator(tmp / "coordinator", url_db)
+    rows: dict[str, dict[str, float]] = {}
+    try:
+        layout = "embed:shared, b0-0:routed16, b1-1:routed16, head:shared"  # 256 paths
+        spec = {
+            "name": "cost",
+            "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
+            "layout": layout,
+            "inner_steps": 1,
+            "inner": {"batch_size": 1},
+            "num_rounds": 100,
+            "lease_ttl_s": 600,
+        }
+        with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+            run = create_run(admin, spec, num_tokens=200)
+        LAYOUT_OF[run["id"]] = layout
+        paths = run["num_paths"]
+        n = min(n, paths)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            joined = [
+                c.post("/v1/islands", json={"name": f"c{i}"}, headers={"Authorization": f"Bearer {JOIN}"}).json()
+                for i in range(paths)
+            ]
+            auth = [{"Authorization": f"Bearer {j['token']}"} for j in joined]
+            leases: list[dict[str, Any]] = []
+
+            def measure(kind: str, count: int, one: Any) -> list[Any]:
+                out = []
+                cpu, wall = process_cpu_s(proc.pid), time.perf_counter()
+                for i in range(count):
+                    out.append(one(i))
+                cpu, wall = process_cpu_s(proc.pid) - cpu, time.perf_counter() - wall
+                rows[kind] = {"n": count, "cpu_ms": 1000 * cpu / count, "wall_ms": 1000 * wall / count}
+                return out
+
+            def lease(i: int, expect: int = 200) -> Any:
+                r = c.post(f"/v1/islands/{joined[i]['island_id']}/lease", headers=auth[i])
+                assert r.status_code == expect, (r.status_code, r.text)
+                return r.json() if expect == 200 else None
+
+            def upload(i: int) -> None:
+                body = payload(leases[i])
+                r = c.post(
+                    f"/v1/leases/{leases[i]['lease_id']}/outer-gradients",
+                    content=body,
+                    headers={
+                        **auth[i],
+                        "X-Dipaco-Round": str(leases[i]["round"]),
+                        "X-Dipaco-Tokens": "1",
+                        "X-Dipaco-Train-Loss": "1.0",
+                    },
+                )
+                assert r.status_code == 200, r.text
+                rows.setdefault("_applied", {})["round"] = float(r.json()["round_applied"])
+
+            payloads: dict[int, bytes] = {}
+
+            def payload(lease: dict[str, Any]) -> bytes:
+                return payloads.setdefault(len(lease["modules"]), grads_for(lease))
+
+            measure("healthz", n, lambda i: c.get("/healthz").raise_for_status())
+            leases = measure("lease grant", n, lease)
+            leases += [lease(i) for i in range(n, paths)]
+            payload(leases[0])
+            measure(
+                "heartbeat",
+                n,
+                lambda i: c.post(f"/v1/islands/{joined[i]['island_id']}/heartbeat", headers=auth[i]).raise_for_status(),
+            )
+            measure("idle lease poll", n, lambda i: lease(i, 204))
+            measure("upload", n, upload)
+            rest = range(n, paths - 1)
+            for i in rest:
+                upload(i)
+            measure("round apply (last upload)", 1, lambda i: upload(paths - 1))
+            measure("offer take-up", n, lease)
+    finally:
+        proc.terminate()
+        proc.wait()
+        drop_pg(url_db)
+        shutil.rmtree(tmp, ignore_errors=True)
+    floor = rows["healthz"]["cpu_ms"]
+    for row in rows.values():
+        if "cpu_ms" in row:
+            row["x_floor"] = round(row["cpu_ms"] / floor, 2)
+            row["cpu_ms"], row["wall_ms"] = round(row["cpu_ms"], 2), round(row["wall_ms"], 2)
+    return {"bench": "cost", "requests": rows, "ok": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["upload", "aggregate", "islands"])
+    ap.add_argument("which", choices=["upload", "aggregate", "islands", "cost"])
     ap.add_argument("--mb", type=float, default=100.0)
     ap.add_argument("--repeats", type=int, default=5, help="upload: raw + upload pairs, each a fresh path")
     ap.add_argument("--ks", default="4,16,64")
     ap.add_argument("--islands", type=int, default=256)
+    ap.add_argument("--paths", type=int, default=256, help="islands: paths of the run (rounded up to k x k)")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--train-s", type=float, default=TRAIN_S, help="mean simulated inner phase of a lease (s)")
@@ -542,8 +681,12 @@ def main() -> None:
         result = bench_upload(args.mb, args.repeats)
     elif args.which == "aggregate":
         result = bench_aggregate(args.mb, [int(k) for k in args.ks.split(",")])
+    elif args.which == "cost":
+        result = bench_cost(args.islands)
     else:
-        result = asyncio.run(bench_islands(args.islands, args.seconds, args.workers, args.train_s, args.ramp_s))
+        result = asyncio.run(
+            bench_islands(args.islands, args.seconds, args.workers, args.train_s, args.ramp_s, args.paths)
+        )
     print(json.dumps(result, indent=2))
     sys.exit(0 if result["ok"] else 1)
 

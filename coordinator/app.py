@@ -17,13 +17,12 @@ from fastapi.responses import JSONResponse
 from coordinator import db
 from coordinator.api import routes
 from coordinator.api.deps import AppState
-from coordinator.auth import load_service_tokens
+from coordinator.auth import IslandTokenCache, load_service_tokens
 from coordinator.blobstore import BlobError, open_blob_store
 from coordinator.errors import ServiceError
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.services.leases import expire_stale_leases
-from coordinator.services.rounds import apply_ready_rounds
 from coordinator.settings import Settings
 from coordinator.timeutil import utcnow
 from coordinator.work import work_signature
@@ -50,6 +49,7 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
         spool_dir=spool,
         metrics=Metrics(),
         faults=FaultInjector(pause_at=settings.fault_pause_at, marker_dir=settings.data_dir.resolve()),
+        island_tokens=IslandTokenCache(settings.auth_cache_s),
     )
 
 
@@ -59,10 +59,8 @@ def sweep(state: AppState) -> None:
     with state.sessions() as session:
         state.metrics.lease_expiries.inc(expire_stale_leases(session, now=now))
         session.commit()
-        state.metrics.rounds_applied.inc(
-            apply_ready_rounds(session, state.blobs, now=now, faults=state.faults, affinity=state.affinity)
-        )
-        state.work.notify_if_changed(work_signature(session))
+        state.apply_rounds(session, None, now=now)
+        state.work.notify_if_changed(work_signature(session, now=now, reserve_s=state.settings.path_reservation_s))
         session.rollback()
 
 
@@ -84,9 +82,7 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
         if state.tokens.generated_file is not None:
             log.info("admin and join tokens are in %s", state.tokens.generated_file)
         with state.sessions() as session:
-            recovered = apply_ready_rounds(
-                session, state.blobs, now=clock(), faults=state.faults, affinity=state.affinity
-            )
+            recovered = state.apply_rounds(session, None, now=clock())
             if recovered:
                 log.info("applied %d complete round(s) left over from before a restart", recovered)
         sweeper = asyncio.create_task(_sweeper(state))

@@ -9,6 +9,9 @@ import json
 import logging
 import os
 import secrets
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -73,17 +76,67 @@ class Principal:
     island_id: int | None = None
 
 
-def authenticate(session: Session, tokens: ServiceTokens, authorization: str | None) -> Principal:
+def token_digest(authorization: str | None) -> str:
+    """The sha256 of the bearer token in an Authorization header (401 when there is none)."""
     if not authorization:
         raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
     kind, _, token = authorization.partition(" ")
     if kind.lower() != "bearer" or not token.strip():
         raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
-    digest = hash_token(token.strip())
+    return hash_token(token.strip())
+
+
+class IslandTokenCache:
+    """Island tokens found valid in the database within the last `ttl_s` seconds: digest -> island id.
+
+    Heartbeats, lease requests and uploads then authenticate without a database round trip. A leave or revoke
+    served by this process forgets the island at once; one served by another worker or replica on the same
+    database takes effect here within `ttl_s`. `ttl_s` = 0 disables the cache.
+    """
+
+    def __init__(self, ttl_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._seen: dict[str, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> int | None:
+        hit = self._seen.get(digest)
+        if hit is None or hit[1] < self._clock():
+            return None
+        return hit[0]
+
+    def put(self, digest: str, island_id: int) -> None:
+        if self.ttl_s <= 0:
+            return
+        now = self._clock()
+        with self._lock:
+            if len(self._seen) >= 4096:  # islands that left or went quiet: drop what has run out
+                self._seen = {d: hit for d, hit in self._seen.items() if hit[1] >= now}
+            self._seen[digest] = (island_id, now + self.ttl_s)
+
+    def forget(self, island_id: int) -> None:
+        with self._lock:
+            self._seen = {d: hit for d, hit in self._seen.items() if hit[0] != island_id}
+
+
+def known_principal(digest: str, tokens: ServiceTokens, cache: IslandTokenCache | None) -> Principal | None:
+    """The principal of a service token or of a cached island token; None when the database must be asked."""
     if hmac.compare_digest(digest, tokens.admin_hash):
         return Principal(scope="admin")
     if hmac.compare_digest(digest, tokens.join_hash):
         return Principal(scope="join")
+    island_id = cache.get(digest) if cache is not None else None
+    return None if island_id is None else Principal(scope="island", island_id=island_id)
+
+
+def authenticate(
+    session: Session, tokens: ServiceTokens, authorization: str | None, cache: IslandTokenCache | None = None
+) -> Principal:
+    digest = token_digest(authorization)
+    known = known_principal(digest, tokens, cache)
+    if known is not None:
+        return known
     row = session.execute(select(Island.id, Island.status).where(Island.token_hash == digest)).first()
     if row is None:
         raise Unauthorized("unknown token")
@@ -92,6 +145,8 @@ def authenticate(session: Session, tokens: ServiceTokens, authorization: str | N
         raise Unauthorized(f"island {island_id}'s token was revoked")
     if status == "left":
         raise Unauthorized(f"island {island_id} has left; join again for a new token")
+    if cache is not None:
+        cache.put(digest, island_id)
     return Principal(scope="island", island_id=island_id)
 
 

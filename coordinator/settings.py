@@ -38,6 +38,12 @@ class Settings(BaseSettings):
     sweep_interval_s: float = Field(
         default=1.0, gt=0, description="Background pass that expires leases and closes rounds past their deadline"
     )
+    auth_cache_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="An island token found valid is trusted this long without a database lookup; a revoke served "
+        "by another worker or replica takes effect within it (0: look up every request)",
+    )
     fault_pause_at: str | None = Field(default=None, description="Crash tests only: see coordinator/faults.py")
     max_upload_bytes: int = Field(default=1 << 30, gt=0, description="Cap on one outer-gradient upload")
     max_shard_bytes: int = Field(default=4 << 30, gt=0, description="Cap on one shard token file")

@@ -12,17 +12,19 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, Header, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator.auth import Principal, ServiceTokens, authenticate
+from coordinator.auth import IslandTokenCache, Principal, ServiceTokens, authenticate, known_principal, token_digest
 from coordinator.blobstore import BlobStore
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
-from coordinator.services.leases import Affinity
+from coordinator.services.leases import Affinity, ReadyOffer
+from coordinator.services.rounds import apply_ready_rounds, maybe_apply_round
 from coordinator.settings import Settings
-from coordinator.work import WorkSignal
+from coordinator.work import OfferBook, WorkSignal
 
 
 @dataclass(slots=True)
@@ -36,8 +38,12 @@ class AppState:
     spool_dir: Path
     metrics: Metrics
     faults: FaultInjector
+    island_tokens: IslandTokenCache
+    """Island tokens found valid recently (settings.auth_cache_s): most requests authenticate without a query."""
     work: WorkSignal = field(default_factory=WorkSignal)
     """Wakes lease requests that wait for work (see coordinator/work.py)."""
+    offers: OfferBook = field(default_factory=OfferBook)
+    """Offers made by this process's applies, ready to hand out (see coordinator/work.py)."""
     lease_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
     """Lease attempts in flight at once: they serialise on the run row anyway, and the threads they would hold
     are better left to heartbeats and uploads when a round opens and every island asks at once."""
@@ -46,6 +52,29 @@ class AppState:
     def affinity(self) -> Affinity:
         """Paths stay with the island that trained them (offers, reservations), from the settings."""
         return Affinity(reserve_s=self.settings.path_reservation_s, live_s=3 * self.settings.heartbeat_interval_s)
+
+    def apply_rounds(self, session: Session, run_ids: list[int] | None, *, now: datetime) -> int:
+        """Apply the ready rounds of `run_ids` (None: every running run); returns how many were applied.
+
+        Their offers go to the offer book and held lease requests wake (the next rounds are open).
+        """
+        offered: list[ReadyOffer] = []
+        if run_ids is None:
+            applied = apply_ready_rounds(
+                session, self.blobs, now=now, faults=self.faults, affinity=self.affinity, offered=offered
+            )
+        else:
+            applied = sum(
+                maybe_apply_round(
+                    session, self.blobs, run_id, now=now, faults=self.faults, affinity=self.affinity, offered=offered
+                )
+                for run_id in run_ids
+            )
+        if applied:
+            self.metrics.rounds_applied.inc(applied)
+            self.offers.put(offered, now=now)
+            self.work.notify()
+        return applied
 
 
 def get_state(request: Request) -> AppState:
@@ -74,21 +103,23 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 
 def authenticate_with(state: AppState, authorization: str | None) -> Principal:
+    """Authenticate in a session of its own (a worker thread): one indexed lookup, read transaction ended."""
     with state.sessions() as session:
-        principal = authenticate(session, state.tokens, authorization)
+        principal = authenticate(session, state.tokens, authorization, state.island_tokens)
         session.rollback()
         return principal
 
 
-def get_principal(
-    state: StateDep, session: SessionDep, authorization: Annotated[str | None, Header()] = None
-) -> Principal:
-    """Authenticate in the request's own session (one indexed lookup); the read-only transaction ends here, so the
-    connection goes back to the pool before the request moves on to another thread."""
-    try:
-        return authenticate(session, state.tokens, authorization)
-    finally:
-        session.rollback()
+async def principal_for(state: AppState, authorization: str | None) -> Principal:
+    """Service tokens and recently seen island tokens on the event loop; others looked up on a worker thread."""
+    known = known_principal(token_digest(authorization), state.tokens, state.island_tokens)
+    if known is not None:
+        return known
+    return await run_in_threadpool(authenticate_with, state, authorization)
+
+
+async def get_principal(state: StateDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+    return await principal_for(state, authorization)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

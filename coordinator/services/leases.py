@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import Select, and_, case, or_, select, update
+from sqlalchemy import Select, and_, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from coordinator.errors import Conflict, Forbidden, NotFound
@@ -146,6 +146,26 @@ def acquire_lease(
     return None, 0
 
 
+def next_change(session: Session, rounds: list[OpenRound], *, now: datetime, affinity: Affinity) -> datetime | None:
+    """When time alone may next bring work in `rounds` (a pending lease expiring, a reservation window ending, a
+    deadline that may close a round on quorum); None when only an event (an upload closing a round, a release)
+    can. An island that found no free path need not look again before then unless told of such an event."""
+    times = [r.deadline for r in rounds if r.deadline is not None and r.deadline > now]
+    if affinity.reserve_s > 0:
+        window = timedelta(seconds=affinity.reserve_s)
+        times += [r.opened_at + window for r in rounds if r.opened_at is not None and r.opened_at + window > now]
+    expiry = session.scalar(
+        select(func.min(Lease.expires_at)).where(
+            or_(*(and_(Lease.run_id == r.run_id, Lease.round == r.number) for r in rounds)),
+            Lease.status.in_(PENDING),
+            Lease.expires_at >= now,
+        )
+    )
+    if expiry is not None:
+        times.append(as_utc(expiry))
+    return min(times, default=None)
+
+
 def _token_range(run: Run, path: Path, num_tokens: int) -> tuple[int, int, int]:
     """(start, end, epoch) of the path's next lease: its data cursor, wrapping into a new epoch."""
     need = tokens_per_lease(run)
@@ -248,15 +268,27 @@ def _issue(session: Session, run: Run, path: Path, island_id: int, *, now: datet
     return _public(run, path, lease, shard, modules)
 
 
-def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Affinity) -> int:
+@dataclass(frozen=True, slots=True)
+class ReadyOffer:
+    """An offer as its island will receive it, built by the apply that made it (see `take_up_offers`)."""
+
+    island_id: int
+    lease_id: int
+    lease_ttl_s: float
+    lease: LeasePublic
+    """The lease view; `expires_at` is set when the offer is taken up."""
+
+
+def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Affinity) -> list[ReadyOffer]:
     """Offer each live island one path it trained last (the lowest index) for the run's new current round.
 
     Called inside the apply transaction, after the module versions moved on (the caller commits). An offer
     holds its path for `affinity.reserve_s`, like the reservation it replaces for that island; heartbeats do
-    not extend it. Returns how many offers were made (0 when the reservation is disabled).
+    not extend it. Returns the offers made (none when the reservation is disabled), each with the lease view
+    its island will receive, so that taking one up needs no further reads.
     """
     if affinity.reserve_s <= 0:
-        return 0
+        return []
     live = select(Island.id).where(
         Island.status == "active", Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s)
     )
@@ -267,34 +299,80 @@ def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
         assert path.last_island_id is not None
         chosen.setdefault(path.last_island_id, path)
     if not chosen:
-        return 0
+        return []
     paths = {path.id: path for path in chosen.values()}
-    num_tokens = {
-        index: n
-        for index, n in session.execute(select(Shard.path_index, Shard.num_tokens).where(Shard.run_id == run.id))
+    shards = {
+        index: LeaseShard(shard_id=shard_id, tokens_hash=tokens_hash, num_tokens=n)
+        for index, shard_id, tokens_hash, n in session.execute(
+            select(Shard.path_index, Shard.id, Shard.tokens_hash, Shard.num_tokens).where(Shard.run_id == run.id)
+        )
     }
-    versions: dict[int, dict[str, int]] = {path_id: {} for path_id in paths}
-    for path_id, module_id, version in session.execute(
-        select(PathModule.path_id, Module.id, Module.version)
+    modules: dict[int, list[LeaseModule]] = {path_id: [] for path_id in paths}
+    for path_id, module_id, level, version, weights, name in session.execute(
+        select(PathModule.path_id, Module.id, Module.level_index, Module.version, Module.weights_hash, Level.name)
         .join(Module, Module.id == PathModule.module_id)
+        .join(Level, Level.id == Module.level_id)
         .where(PathModule.path_id.in_(list(paths)))
+        .order_by(PathModule.path_id, Module.level_index)
     ):
-        versions[path_id][str(module_id)] = version
+        modules[path_id].append(
+            LeaseModule(level=level, level_name=name, module_id=module_id, version=version, weights_hash=weights)
+        )
     expires = now + timedelta(seconds=affinity.reserve_s)
-    session.add_all(
-        _new_lease(
+    offers = {
+        island_id: _new_lease(
             run,
             path,
             island_id,
-            num_tokens=num_tokens[path.index],
-            base_versions=versions[path.id],
+            num_tokens=shards[path.index].num_tokens,
+            base_versions={str(m.module_id): m.version for m in modules[path.id]},
             status="offered",
             expires=expires,
             now=now,
         )
         for island_id, path in chosen.items()
-    )
-    return len(chosen)
+    }
+    session.add_all(offers.values())
+    session.flush()  # lease ids
+    return [
+        ReadyOffer(
+            island_id=island_id,
+            lease_id=lease.id,
+            lease_ttl_s=run.lease_ttl_s,
+            lease=_public(run, chosen[island_id], lease, shards[chosen[island_id].index], modules[lease.path_id]),
+        )
+        for island_id, lease in offers.items()
+    ]
+
+
+def take_up_offers(session: Session, offers: list[ReadyOffer], *, now: datetime) -> list[LeasePublic | None]:
+    """Turn offers built by this process's applies into active leases (committed): one UPDATE per lease TTL.
+
+    An offer that expired, was released or whose round closed meanwhile is not taken (None in its place); the
+    caller then asks the database the slow way (`take_offer`), which also marks such an offer expired.
+    """
+    by_ttl: dict[float, list[int]] = {}
+    for offer in offers:
+        by_ttl.setdefault(offer.lease_ttl_s, []).append(offer.lease_id)
+    current = select(Run.current_round).where(Run.id == Lease.run_id, Run.status == "running").scalar_subquery()
+    taken: set[int] = set()
+    for ttl, ids in by_ttl.items():
+        taken.update(
+            session.scalars(
+                update(Lease)
+                .where(Lease.id.in_(ids), Lease.status == "offered", Lease.expires_at >= now, Lease.round == current)
+                .values(status="active", expires_at=now + timedelta(seconds=ttl))
+                .returning(Lease.id),
+                execution_options={"synchronize_session": False},
+            )
+        )
+    session.commit()
+    return [
+        offer.lease.model_copy(update={"expires_at": now + timedelta(seconds=offer.lease_ttl_s)})
+        if offer.lease_id in taken
+        else None
+        for offer in offers
+    ]
 
 
 def take_offer(session: Session, island_id: int, *, now: datetime) -> LeasePublic | None:

@@ -19,13 +19,13 @@ import time
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
 
 from coordinator.blobstore import BlobStore
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
-from coordinator.services.leases import Affinity, offer_next_round
+from coordinator.services.leases import Affinity, ReadyOffer, offer_next_round
 from coordinator.timeutil import as_utc
 from modules import OuterConfig, accumulate, decode, encode, nesterov_step
 
@@ -40,17 +40,17 @@ def maybe_apply_round(
     now: datetime,
     faults: FaultInjector = NO_FAULTS,
     affinity: Affinity | None = None,
+    offered: list[ReadyOffer] | None = None,
 ) -> bool:
     """Apply the run's current round if it is ready to close; True if this call applied it.
 
     With `affinity`, the islands that trained the round's paths are offered them for the next round in the same
-    transaction (see `leases.offer_next_round`).
+    transaction (see `leases.offer_next_round`); the offers are appended to `offered` once committed.
 
     Readiness is probed without a lock first (most calls come from lease requests and find nothing to do), then
     checked again with the run row locked before anything is written.
     """
-    probe = session.get(Run, run_id)
-    if probe is None or probe.status != "running" or _contributed(session, probe, now) is None:
+    if not _may_close(session, run_id, now):
         session.rollback()
         return False
     run = session.scalar(
@@ -111,14 +111,17 @@ def maybe_apply_round(
             )
         )
     run.current_round = number + 1
+    offers: list[ReadyOffer] = []
     if run.current_round >= run.num_rounds:
         run.status = "finished"
     else:
         open_round(session, run, run.current_round, now=now)
         if affinity is not None:
-            offer_next_round(session, run, now=now, affinity=affinity)
+            offers = offer_next_round(session, run, now=now, affinity=affinity)
     faults.point("apply.before_commit")
     session.commit()
+    if offered is not None:
+        offered.extend(offers)
     log.info(
         "run %s: round %s applied (%s of %s paths) in %.2f s",
         run.id,
@@ -149,9 +152,35 @@ def _contributed(session: Session, run: Run, now: datetime) -> int | None:
     return contributed if complete or (past_deadline and contributed >= quorum_count(run)) else None
 
 
+def _may_close(session: Session, run_id: int, now: datetime) -> bool:
+    """The lock-free probe: one statement (it runs after every accepted upload)."""
+    contributed = (
+        select(func.count(func.distinct(Contribution.path_id)))
+        .where(
+            Contribution.run_id == Run.id, Contribution.round == Run.current_round, Contribution.status == "accepted"
+        )
+        .scalar_subquery()
+    )
+    row = session.execute(
+        select(Run.num_paths, Run.quorum, Round.deadline, contributed)
+        .join(Round, and_(Round.run_id == Run.id, Round.number == Run.current_round))
+        .where(Run.id == run_id, Run.status == "running", Round.status == "open")
+    ).first()
+    if row is None:
+        return False
+    num_paths, quorum, deadline, count = row
+    if count >= num_paths:
+        return True
+    return deadline is not None and now >= as_utc(deadline) and count >= _quorum(quorum, num_paths)
+
+
 def quorum_count(run: Run) -> int:
     """Contributions needed to close a round past its deadline."""
-    return max(1, math.ceil(run.quorum * run.num_paths - 1e-9))
+    return _quorum(run.quorum, run.num_paths)
+
+
+def _quorum(quorum: float, num_paths: int) -> int:
+    return max(1, math.ceil(quorum * num_paths - 1e-9))
 
 
 def open_round(session: Session, run: Run, number: int, *, now: datetime) -> Round:
@@ -168,11 +197,14 @@ def apply_ready_rounds(
     now: datetime,
     faults: FaultInjector = NO_FAULTS,
     affinity: Affinity | None = None,
+    offered: list[ReadyOffer] | None = None,
 ) -> int:
     """Recovery sweep (start-up, lease requests): apply any round that is complete but not yet applied."""
     applied = 0
     run_ids = session.scalars(select(Run.id).where(Run.status == "running")).all()
     session.rollback()
     for run_id in run_ids:
-        applied += int(maybe_apply_round(session, blobs, run_id, now=now, faults=faults, affinity=affinity))
+        applied += int(
+            maybe_apply_round(session, blobs, run_id, now=now, faults=faults, affinity=affinity, offered=offered)
+        )
     return applied

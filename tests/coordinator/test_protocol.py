@@ -8,7 +8,9 @@ import time
 import httpx
 import torch
 from fastapi.testclient import TestClient
+from sqlalchemy import select, update
 
+from coordinator.models import Lease
 from modules import OuterConfig, decode, nesterov_step
 from tests.conftest import FakeClock
 from tests.coordinator.helpers import TINY_RUN, A, J, create_running_run, join, lease, train_lease, upload
@@ -370,3 +372,58 @@ def test_long_polled_lease_request_wakes_when_a_path_is_given_back(client: TestC
     assert int(got[0].headers["X-Dipaco-Held-Ms"]) >= 300
     too_long = client.post(f"/v1/islands/{b_id}/lease?wait=61", headers=bh)
     assert too_long.status_code == 422
+
+
+def test_held_islands_get_their_offers_when_the_round_opens(client: TestClient) -> None:
+    """Three islands wait (long poll) while the fourth finishes the round: the apply's offers reach all three
+    at once, taken up in the database (the heartbeat extends them), each its own path of round 0."""
+    create_running_run(client)
+    islands = [join(client, name) for name in "abcd"]
+    leases = [lease(client, island_id, h) for island_id, h in islands]
+    assert all(leases)
+    trained = {i: train_lease(client, lb, islands[i][1]) for i, lb in enumerate(leases) if lb}
+    for i in range(3):
+        assert upload(client, leases[i], islands[i][1], trained[i]).json()["round_applied"] is False  # type: ignore[arg-type]
+
+    got: dict[int, httpx.Response] = {}
+
+    def wait_for_work(i: int) -> None:
+        island_id, h = islands[i]
+        got[i] = client.post(f"/v1/islands/{island_id}/lease?wait=30", headers=h)
+
+    waiters = [threading.Thread(target=wait_for_work, args=(i,)) for i in range(3)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.5)  # all three are held now
+    started = time.monotonic()
+    assert upload(client, leases[3], islands[3][1], trained[3]).json()["round_applied"] is True  # type: ignore[arg-type]
+    for w in waiters:
+        w.join(timeout=20)
+    assert time.monotonic() - started < 10  # woken by the apply, not by the 30 s timeout
+    for i in range(3):
+        assert got[i].status_code == 200, got[i].text
+        body = got[i].json()
+        assert (body["round"], body["path_index"]) == (1, leases[i]["path_index"])  # type: ignore[index]
+        assert int(got[i].headers["X-Dipaco-Held-Ms"]) >= 300
+        island_id, h = islands[i]
+        beat = client.post(f"/v1/islands/{island_id}/heartbeat", headers=h).json()
+        assert beat["active_lease_ids"] == [body["lease_id"]]  # active in the database, not only in the reply
+    assert len(client.app.state.dipaco.offers) == 1  # type: ignore[attr-defined]  # d's, until d asks
+
+
+def test_an_offer_the_database_no_longer_holds_is_not_handed_out_from_memory(client: TestClient) -> None:
+    """The offer book is a cache: when the offer is gone in the database (here: expired behind this process's
+    back, as another worker's sweep would do), the island gets a lease from the database instead."""
+    create_running_run(client)
+    (a_id, ah), _ = _two_islands_train_round_zero(client)
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        session.execute(
+            update(Lease).where(Lease.island_id == a_id, Lease.status == "offered").values(status="expired")
+        )
+        session.commit()
+    got = lease(client, a_id, ah)
+    assert got is not None and got["round"] == 1 and got["path_index"] == 0  # its warm path, leased afresh
+    with state.sessions() as session:
+        statuses = session.scalars(select(Lease.status).where(Lease.island_id == a_id, Lease.round == 1)).all()
+    assert sorted(statuses) == ["active", "expired"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from datetime import datetime
 
@@ -9,7 +11,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
-from coordinator.api.deps import AppState, PrincipalDep, SessionDep, SessionRoute, StateDep, authenticate_with
+from coordinator.api.deps import AppState, PrincipalDep, SessionDep, SessionRoute, StateDep, principal_for
 from coordinator.auth import require, require_island
 from coordinator.schemas import (
     H_HELD,
@@ -21,7 +23,7 @@ from coordinator.schemas import (
     LeasePublic,
     ListOf,
 )
-from coordinator.services import islands, leases, registry, rounds
+from coordinator.services import islands, leases, registry
 
 router = APIRouter(prefix="/v1", tags=["islands"], route_class=SessionRoute)
 
@@ -66,6 +68,7 @@ def leave(island_id: int, session: SessionDep, state: StateDep, principal: Princ
     else:
         require_island(principal, island_id)
         islands.leave(session, island_id, status="left")
+    state.island_tokens.forget(island_id)
     state.work.notify()  # its paths are free now
     return Response(status_code=204)
 
@@ -80,7 +83,6 @@ def leave(island_id: int, session: SessionDep, state: StateDep, principal: Princ
 async def lease(
     island_id: int,
     request: Request,
-    response: Response,
     state: StateDep,
     wait: float = Query(
         0,
@@ -88,70 +90,92 @@ async def lease(
         le=MAX_LEASE_WAIT_S,
         description="Seconds to hold the request while there is no work (long polling); 0 answers at once",
     ),
-) -> LeasePublic | Response:
+) -> Response:
     """Work for the island: an offer made to it when the last round closed, else a free path of a running run.
 
     With `wait`, an idle island's request is held until work appears (a round opens, a lease is given back) or
     the time is up; header `X-Dipaco-Held-Ms` says how long it was held with nothing to do. When no run is
     running the answer comes at once (an island may want to leave then).
     """
-    principal = await run_in_threadpool(authenticate_with, state, request.headers.get("authorization"))
+    arrived = time.monotonic()
+    principal = await principal_for(state, request.headers.get("authorization"))
     require_island(principal, island_id)
-    until = time.monotonic() + wait
+    until = arrived + wait
     held = 0.0
     while True:
         ticket = state.work.ticket()  # a change while this attempt runs wakes the wait below at once
-        async with state.lease_slots:
-            issued, reason = await run_in_threadpool(_lease_once, state, island_id)
+        issued, reason = await _attempt(state, island_id, ticket)
         left = until - time.monotonic()
         if issued is not None or left <= 0 or reason == "no-running-runs":  # nothing to wait for: say so now
             break
         started = time.monotonic()
         await state.work.wait(ticket, left)
         held += time.monotonic() - started
-    held_ms = str(round(held * 1000))
+    # how long it was held with nothing to do, and how long the coordinator worked on it apart from that
+    timing = {
+        H_HELD: str(round(held * 1000)),
+        "Server-Timing": f"app;dur={(time.monotonic() - arrived - held) * 1000:.1f}",
+    }
     if issued is None:
         # a long poll that ran out may ask again at once
         retry = 0 if wait > 0 and reason == "waiting" else IDLE_RETRY_AFTER_S
-        return Response(status_code=204, headers={H_IDLE: reason, "Retry-After": str(retry), H_HELD: held_ms})
-    response.headers[H_HELD] = held_ms
-    return issued
+        return Response(status_code=204, headers={H_IDLE: reason, "Retry-After": str(retry), **timing})
+    # Encoded here rather than by FastAPI (which would validate the model again): when a round opens, every
+    # island's request completes at once, and what each costs is the length of that burst.
+    return Response(issued.model_dump_json(), media_type="application/json", headers=timing)
 
 
-def _lease_once(state: AppState, island_id: int) -> tuple[LeasePublic | None, str]:
-    """One attempt: take an offer, else a free path; a round past its deadline may close on the way."""
+async def _attempt(state: AppState, island_id: int, ticket: asyncio.Event | None) -> tuple[LeasePublic | None, str]:
+    """One look for work: an offer this process built (no read), else the database, unless nothing changed
+    since the island last found nothing there."""
+    offer = state.offers.pop(island_id, now=state.clock())
+    if offer is not None:
+        issued = await state.offers.take_up(offer, functools.partial(_take_up, state))
+        if issued is not None:
+            state.metrics.leases_issued.inc()
+            return issued, "leased"
+    elif state.work.nothing_new(island_id, state.clock()):
+        return None, "waiting"
+    async with state.lease_slots:
+        issued, reason, until = await run_in_threadpool(_lease_once, state, island_id)
+    if issued is None and reason == "waiting":
+        state.work.remember_idle(island_id, ticket, until)
+    return issued, reason
+
+
+def _take_up(state: AppState, offers: list[leases.ReadyOffer]) -> list[LeasePublic | None]:
+    with state.sessions() as session:
+        return leases.take_up_offers(session, offers, now=state.clock())
+
+
+def _lease_once(state: AppState, island_id: int) -> tuple[LeasePublic | None, str, datetime | None]:
+    """One attempt: take an offer, else a free path; a round past its deadline may close on the way.
+
+    With no work found, also says until when time alone frees nothing (`leases.next_change`)."""
     now = state.clock()
     with state.sessions() as session:
-        issued, reason = leases.take_offer(session, island_id, now=now), "leased"
+        issued, reason, until = leases.take_offer(session, island_id, now=now), "leased", None
         if issued is None:
-            issued, reason = _free_path(state, session, island_id, now=now)
+            issued, reason, until = _free_path(state, session, island_id, now=now)
         session.rollback()
     if issued is not None:
         state.metrics.leases_issued.inc()
-    return issued, reason
+    return issued, reason, until
 
 
-def _free_path(state: AppState, session: Session, island_id: int, *, now: datetime) -> tuple[LeasePublic | None, str]:
-    issued, reason = None, "no-running-runs"
+def _free_path(
+    state: AppState, session: Session, island_id: int, *, now: datetime
+) -> tuple[LeasePublic | None, str, datetime | None]:
     for attempt in range(2):
         open_rounds = leases.open_rounds(session)
         if not open_rounds:
-            break
-        reason = "waiting"
+            return None, "no-running-runs", None
         issued, expired = leases.acquire_lease(session, island_id, open_rounds, now=now, affinity=state.affinity)
         state.metrics.lease_expiries.inc(expired)
-        if issued is not None or attempt:
-            break
+        if issued is not None:
+            return issued, "leased", None
         # Nothing free: a round past its deadline may close now on quorum, and its successor has work.
         due = [r.run_id for r in open_rounds if r.deadline is not None and now >= r.deadline]
-        applied = sum(
-            rounds.maybe_apply_round(
-                session, state.blobs, run_id, now=now, faults=state.faults, affinity=state.affinity
-            )
-            for run_id in due
-        )
-        state.metrics.rounds_applied.inc(applied)
-        if not applied:
-            break
-        state.work.notify()
-    return issued, reason
+        if attempt or not due or not state.apply_rounds(session, due, now=now):
+            return None, "waiting", leases.next_change(session, open_rounds, now=now, affinity=state.affinity)
+    raise AssertionError("unreachable")

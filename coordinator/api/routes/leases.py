@@ -7,12 +7,12 @@ import math
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
 
-from coordinator.api.deps import AppState, PrincipalDep, SessionDep, SessionRoute, StateDep, authenticate_with
+from coordinator.api.deps import AppState, PrincipalDep, SessionDep, SessionRoute, StateDep, principal_for
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.errors import Invalid, ServiceError
 from coordinator.schemas import ContributionPublic, LeaseStatus
-from coordinator.services import leases, rounds, uploads
+from coordinator.services import leases, uploads
 
 router = APIRouter(prefix="/v1", tags=["leases"], route_class=SessionRoute)
 
@@ -65,7 +65,7 @@ async def _upload(
     tokens_text: str | None,
     loss_text: str | None,
 ) -> ContributionPublic:
-    principal = await run_in_threadpool(authenticate_with, state, request.headers.get("authorization"))
+    principal = await principal_for(state, request.headers.get("authorization"))
     require(principal, "island")
     island_id = principal.island_id
     assert island_id is not None
@@ -94,13 +94,7 @@ async def _upload(
             )
             contribution, created = submitted.contribution, submitted.created
             state.metrics.contributions.labels(result="accepted" if created else "duplicate").inc()
-            applied = created and rounds.maybe_apply_round(
-                session, state.blobs, contribution.run_id, now=now, faults=state.faults, affinity=state.affinity
-            )
-            state.metrics.rounds_applied.inc(int(applied))
-            if applied:
-                state.work.notify()  # held lease requests: the next round is open
-            return ContributionPublic(
+            public = ContributionPublic(
                 id=contribution.id,
                 lease_id=lease_id,
                 run_id=contribution.run_id,
@@ -109,8 +103,11 @@ async def _upload(
                 tokens=contribution.tokens,
                 train_loss=contribution.train_loss,
                 status="accepted",
-                round_applied=applied,
+                round_applied=False,
             )
+            if created and state.apply_rounds(session, [contribution.run_id], now=now):
+                public.round_applied = True
+            return public
 
     try:
         return await run_in_threadpool(_submit)

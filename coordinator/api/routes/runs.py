@@ -4,7 +4,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from coordinator.api.deps import PrincipalDep, SessionDep, SessionRoute, StateDep, authenticate_with
+from coordinator.api.deps import PrincipalDep, SessionDep, SessionRoute, StateDep, principal_for
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.schemas import (
@@ -73,7 +73,7 @@ async def register_shard(
     num_documents: int = Query(ge=1),
 ) -> ShardPublic:
     """Body: the path's shard as raw little-endian uint16 token ids (streamed)."""
-    principal = await run_in_threadpool(authenticate_with, state, request.headers.get("authorization"))
+    principal = await principal_for(state, request.headers.get("authorization"))
     require(principal, "admin")
     spooled = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir)
     body = spooled.path
