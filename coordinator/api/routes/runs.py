@@ -100,9 +100,11 @@ async def register_shard(
             )
 
     try:
-        return await run_in_threadpool(_register)
+        registered = await run_in_threadpool(_register)
     finally:
         body.unlink(missing_ok=True)
+    state.work.notify()  # the last shard starts the run: islands waiting for work may find some now
+    return registered
 
 
 @router.get("/shards/{shard_id}/tokens", responses={200: {"content": {"application/octet-stream": {}}}})
