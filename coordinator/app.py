@@ -26,6 +26,7 @@ from coordinator.metrics import Metrics
 from coordinator.services.leases import expire_stale_leases
 from coordinator.settings import Settings
 from coordinator.timeutil import utcnow
+from coordinator.timing import ServerTiming
 from coordinator.work import work_signature
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
         version="0.1.0",
         lifespan=lifespan,
     )
+
+    app.add_middleware(ServerTiming)
 
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:

@@ -8,8 +8,10 @@ contribution is accepted, so an expired lease gives its token range back.
 
 When a round is applied, each live island that trained a path in it is offered that path for the next round
 (`offer_next_round`): a lease in status `offered`, written in the apply transaction, that the island takes up
-with its next lease request (`take_offer`) or that expires after `Affinity.reserve_s`. A round opening then
-costs one batch of inserts instead of every island queueing for the run row at once.
+with its next lease request or that expires after `Affinity.reserve_s`. The apply also returns each offer's lease
+view (`ReadyOffer`), so the process that made it takes offers up in batches without reading anything else
+(`take_up_offers`); any other process uses `take_offer`. A round opening then costs one batch of inserts and a
+few batched updates instead of every island queueing for the run row at once.
 
 Lease requests are the coordinator's most frequent call, so each is a handful of statements: one to take an
 offer, one to find the open rounds, one probe for a free path (no lock; idle islands polling for work stop

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -427,3 +428,17 @@ def test_an_offer_the_database_no_longer_holds_is_not_handed_out_from_memory(cli
     with state.sessions() as session:
         statuses = session.scalars(select(Lease.status).where(Lease.island_id == a_id, Lease.round == 1)).all()
     assert sorted(statuses) == ["active", "expired"]
+
+
+def test_replies_carry_the_coordinators_own_time_without_the_hold(client: TestClient) -> None:
+    create_running_run(client)
+    a_id, ah = join(client, "a")
+    beat = client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah)
+    assert re.fullmatch(r"app;dur=\d+\.\d", beat.headers["Server-Timing"])
+    held = [lease(client, a_id, ah) for _ in range(4)]  # every path taken: the next request is held
+    assert all(held)
+    idle = client.post(f"/v1/islands/{a_id}/lease?wait=0.5", headers=ah)
+    assert idle.status_code == 204 and int(idle.headers["X-Dipaco-Held-Ms"]) >= 450
+    timings = idle.headers.get_list("Server-Timing")
+    assert len(timings) == 1  # the route's own (hold excluded); the middleware leaves it alone
+    assert float(timings[0].partition("dur=")[2]) < 450
