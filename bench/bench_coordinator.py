@@ -132,6 +132,26 @@ def create_run(client: httpx.Client, spec: dict[str, Any], num_tokens: int = 400
     return dict(run)
 
 
+def create_debug_run(url: str, name: str, *, paths: int, lease_ttl_s: float) -> tuple[dict[str, Any], str]:
+    """A running run of the tiny debug model with k x k paths (`paths` rounded up: 256 -> 16 x 16) and its layout;
+    one inner step a lease, so a lease is light and the coordinator's own costs show."""
+    k = math.isqrt(paths - 1) + 1
+    layout = f"embed:shared, b0-0:routed{k}, b1-1:routed{k}, head:shared"
+    spec = {
+        "name": name,
+        "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
+        "layout": layout,
+        "inner_steps": 1,
+        "inner": {"batch_size": 1},
+        "num_rounds": 100,
+        "lease_ttl_s": lease_ttl_s,
+    }
+    with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+        run = create_run(admin, spec, num_tokens=200)
+    LAYOUT_OF[run["id"]] = layout
+    return run, layout
+
+
 def grads_for(lease: dict[str, Any], *, scale: float = 1e-3) -> bytes:
     """A valid outer-gradient payload for a lease: small random values for every tensor of the path."""
     cfg = ModelConfig.from_dict(lease["model"])
@@ -401,20 +421,7 @@ async def bench_islands(
     accepted = 0
     errors: list[str] = []
     try:
-        k = math.isqrt(paths - 1) + 1  # k x k paths: 256 -> 16 x 16
-        layout = f"embed:shared, b0-0:routed{k}, b1-1:routed{k}, head:shared"
-        spec = {
-            "name": "islands",
-            "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
-            "layout": layout,
-            "inner_steps": 1,
-            "inner": {"batch_size": 1},
-            "num_rounds": 100,
-            "lease_ttl_s": 60,
-        }
-        with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
-            run = create_run(admin, spec, num_tokens=200)
-        LAYOUT_OF[run["id"]] = layout
+        run, layout = create_debug_run(url, "islands", paths=paths, lease_ttl_s=60)
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as joiner:
             joined = await asyncio.gather(
@@ -542,7 +549,7 @@ async def bench_islands(
     return {
         "bench": "islands",
         "islands": n,
-        "paths": k * k,
+        "paths": run["num_paths"],
         "workers": workers,
         "seconds": seconds,
         "train_s": train_s,
@@ -580,19 +587,7 @@ def bench_cost(n: int) -> dict[str, Any]:
     proc, url = start_coordinator(tmp / "coordinator", url_db)
     rows: dict[str, dict[str, float]] = {}
     try:
-        layout = "embed:shared, b0-0:routed16, b1-1:routed16, head:shared"  # 256 paths
-        spec = {
-            "name": "cost",
-            "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
-            "layout": layout,
-            "inner_steps": 1,
-            "inner": {"batch_size": 1},
-            "num_rounds": 100,
-            "lease_ttl_s": 600,
-        }
-        with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
-            run = create_run(admin, spec, num_tokens=200)
-        LAYOUT_OF[run["id"]] = layout
+        run, _ = create_debug_run(url, "cost", paths=256, lease_ttl_s=600)
         paths = run["num_paths"]
         n = min(n, paths)
         with httpx.Client(base_url=url, timeout=60) as c:

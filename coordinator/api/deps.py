@@ -22,7 +22,7 @@ from coordinator.blobstore import BlobStore
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.services.leases import Affinity, ReadyOffer
-from coordinator.services.rounds import apply_ready_rounds, maybe_apply_round
+from coordinator.services.rounds import apply_ready_rounds
 from coordinator.settings import Settings
 from coordinator.work import OfferBook, WorkSignal
 
@@ -59,17 +59,15 @@ class AppState:
         Their offers go to the offer book and held lease requests wake (the next rounds are open).
         """
         offered: list[ReadyOffer] = []
-        if run_ids is None:
-            applied = apply_ready_rounds(
-                session, self.blobs, now=now, faults=self.faults, affinity=self.affinity, offered=offered
-            )
-        else:
-            applied = sum(
-                maybe_apply_round(
-                    session, self.blobs, run_id, now=now, faults=self.faults, affinity=self.affinity, offered=offered
-                )
-                for run_id in run_ids
-            )
+        applied = apply_ready_rounds(
+            session,
+            self.blobs,
+            now=now,
+            run_ids=run_ids,
+            faults=self.faults,
+            affinity=self.affinity,
+            offered=offered,
+        )
         if applied:
             self.metrics.rounds_applied.inc(applied)
             self.offers.put(offered, now=now)

@@ -50,7 +50,7 @@ def maybe_apply_round(
     Readiness is probed without a lock first (most calls come from lease requests and find nothing to do), then
     checked again with the run row locked before anything is written.
     """
-    if not _may_close(session, run_id, now):
+    if _ready_count(session, run_id, now) is None:
         session.rollback()
         return False
     run = session.scalar(
@@ -60,7 +60,7 @@ def maybe_apply_round(
         session.rollback()
         return False
     number = run.current_round
-    contributed = _contributed(session, run, now)
+    contributed = _ready_count(session, run.id, now)  # again, now that the run row is locked
     if contributed is None:
         session.rollback()
         return False
@@ -133,27 +133,9 @@ def maybe_apply_round(
     return True
 
 
-def _contributed(session: Session, run: Run, now: datetime) -> int | None:
-    """Paths that contributed to the run's open round, if the round may close now (else None)."""
-    number = run.current_round
-    rnd = session.scalar(select(Round).where(Round.run_id == run.id, Round.number == number))
-    if rnd is None or rnd.status != "open":
-        return None
-    contributed = (
-        session.scalar(
-            select(func.count(func.distinct(Contribution.path_id))).where(
-                Contribution.run_id == run.id, Contribution.round == number, Contribution.status == "accepted"
-            )
-        )
-        or 0
-    )
-    complete = contributed >= run.num_paths
-    past_deadline = rnd.deadline is not None and now >= as_utc(rnd.deadline)
-    return contributed if complete or (past_deadline and contributed >= quorum_count(run)) else None
-
-
-def _may_close(session: Session, run_id: int, now: datetime) -> bool:
-    """The lock-free probe: one statement (it runs after every accepted upload)."""
+def _ready_count(session: Session, run_id: int, now: datetime) -> int | None:
+    """Paths that contributed to the run's open round, if the round may close now (else None): every path did,
+    or its deadline passed with a quorum. One statement (the unlocked probe runs after every accepted upload)."""
     contributed = (
         select(func.count(func.distinct(Contribution.path_id)))
         .where(
@@ -167,19 +149,15 @@ def _may_close(session: Session, run_id: int, now: datetime) -> bool:
         .where(Run.id == run_id, Run.status == "running", Round.status == "open")
     ).first()
     if row is None:
-        return False
+        return None
     num_paths, quorum, deadline, count = row
-    if count >= num_paths:
-        return True
-    return deadline is not None and now >= as_utc(deadline) and count >= _quorum(quorum, num_paths)
-
-
-def quorum_count(run: Run) -> int:
-    """Contributions needed to close a round past its deadline."""
-    return _quorum(run.quorum, run.num_paths)
+    complete = count >= num_paths
+    past_deadline = deadline is not None and now >= as_utc(deadline)
+    return count if complete or (past_deadline and count >= _quorum(quorum, num_paths)) else None
 
 
 def _quorum(quorum: float, num_paths: int) -> int:
+    """Contributions needed to close a round past its deadline."""
     return max(1, math.ceil(quorum * num_paths - 1e-9))
 
 
@@ -195,16 +173,17 @@ def apply_ready_rounds(
     blobs: BlobStore,
     *,
     now: datetime,
+    run_ids: list[int] | None = None,
     faults: FaultInjector = NO_FAULTS,
     affinity: Affinity | None = None,
     offered: list[ReadyOffer] | None = None,
 ) -> int:
-    """Recovery sweep (start-up, lease requests): apply any round that is complete but not yet applied."""
-    applied = 0
-    run_ids = session.scalars(select(Run.id).where(Run.status == "running")).all()
-    session.rollback()
-    for run_id in run_ids:
-        applied += int(
-            maybe_apply_round(session, blobs, run_id, now=now, faults=faults, affinity=affinity, offered=offered)
-        )
-    return applied
+    """Apply the rounds of `run_ids` (default: every running run) that are ready: complete, or past their
+    deadline with a quorum (start-up recovery, the sweeper, lease and upload requests). Returns how many."""
+    if run_ids is None:
+        run_ids = list(session.scalars(select(Run.id).where(Run.status == "running")))
+        session.rollback()
+    return sum(
+        maybe_apply_round(session, blobs, run_id, now=now, faults=faults, affinity=affinity, offered=offered)
+        for run_id in run_ids
+    )
