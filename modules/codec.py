@@ -7,8 +7,9 @@ in one of three codecs, recorded in the safetensors metadata (`dipaco.codec`):
 * `bf16`: rounded to bfloat16 (2 bytes per value; relative error <= 2**-8 per value).
 * `int8`: per-block absmax scaling. Each tensor is flattened and cut into blocks of `block_size` values
   (the last block may be shorter); a block's scale is `absmax / 127` (fp32) and its values are
-  `round(x / scale)` in [-127, 127]. Stored as `NAME::int8` (int8, the tensor's shape) and `NAME::scale`
-  (fp32, one per block); block size in `dipaco.block_size`. Error per value <= scale / 2.
+  `round(x / scale)` in [-127, 127]. Each tensor is stored as int8 under its own name (its shape), and the
+  fp32 block scales of all tensors in one 1-D tensor `::scales`, concatenated in sorted-name order; block size
+  in `dipaco.block_size`. Error per value <= scale / 2.
 
 `ErrorFeedback` (sender side) keeps what quantisation lost per tensor name and adds it to the next round's
 gradient, so the error does not accumulate over rounds. `grad_payload_nbytes` gives the exact payload size
@@ -39,8 +40,8 @@ def encode(tensors: Mapping[str, torch.Tensor], *, metadata: dict[str, str] | No
     return st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
 
 
-def read_header(data: bytes) -> dict[str, dict[str, object]]:
-    """Parse and check the safetensors header without touching tensor data."""
+def _parse_header(data: bytes) -> dict[str, object]:
+    """The raw safetensors header of a payload (tensor entries and `__metadata__`), as a JSON object."""
     if len(data) < 8:
         raise CodecError(f"payload of {len(data)} bytes is too short for a safetensors header")
     (n,) = struct.unpack("<Q", data[:8])
@@ -52,8 +53,14 @@ def read_header(data: bytes) -> dict[str, dict[str, object]]:
         raise CodecError(f"safetensors header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise CodecError("safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
     return header
+
+
+def read_header(data: bytes) -> dict[str, dict[str, object]]:
+    """The tensor entries of a safetensors header (without `__metadata__`), read without touching tensor data."""
+    header = _parse_header(data)
+    header.pop("__metadata__", None)
+    return header  # type: ignore[return-value]  # entries are checked by the caller (dtype, shape, offsets)
 
 
 def decode(data: bytes, *, allowed_dtypes: frozenset[str] = DEFAULT_ALLOWED) -> dict[str, torch.Tensor]:
@@ -83,7 +90,6 @@ _CODEC_DTYPES: dict[str, frozenset[str]] = {
     "bf16": frozenset({"BF16"}),
     "int8": frozenset({"I8", "F32"}),
 }
-_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.int8: "I8"}
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "I8": 1}
 # safetensors lays tensors out by dtype (descending enum order: F32 > BF16 > I8) and then by name.
 _DTYPE_RANK = {"F32": 0, "BF16": 1, "I8": 2}
@@ -91,16 +97,7 @@ _DTYPE_RANK = {"F32": 0, "BF16": 1, "I8": 2}
 
 def read_metadata(data: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors payload ({} when absent)."""
-    if len(data) < 8:
-        raise CodecError(f"payload of {len(data)} bytes is too short for a safetensors header")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise CodecError(f"safetensors header claims {n} bytes but only {len(data) - 8} follow")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CodecError(f"safetensors header is not valid JSON: {exc}") from exc
-    meta = header.get("__metadata__", {}) if isinstance(header, dict) else {}
+    meta = _parse_header(data).get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CodecError("safetensors __metadata__ is not a string-to-string object")
     return meta
@@ -116,9 +113,7 @@ def _check_block_size(block_size: int) -> None:
         raise CodecError(f"int8 block_size must be >= 1, got {block_size}")
 
 
-def quantize_int8(
-    t: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(t: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block absmax int8: (int8 values with t's shape, fp32 scales of ceil(numel / block_size))."""
     _check_block_size(block_size)
     flat = t.detach().float().reshape(-1)
@@ -133,18 +128,14 @@ def quantize_int8(
     return q.reshape(-1)[:n].reshape(t.shape), scale
 
 
-def dequantize_int8(
-    q: torch.Tensor, scale: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE
-) -> torch.Tensor:
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """Inverse of `quantize_int8` (fp32, q's shape)."""
     _check_block_size(block_size)
     flat = q.reshape(-1).float()
     n = flat.numel()
     nblocks = math.ceil(n / block_size)
     if scale.numel() != nblocks:
-        raise CodecError(
-            f"{n} int8 values in blocks of {block_size} need {nblocks} scales, got {scale.numel()}"
-        )
+        raise CodecError(f"{n} int8 values in blocks of {block_size} need {nblocks} scales, got {scale.numel()}")
     padded = torch.nn.functional.pad(flat, (0, nblocks * block_size - n)).view(nblocks, block_size)
     return (padded * scale.float()[:, None]).reshape(-1)[:n].reshape(q.shape)
 
@@ -183,9 +174,7 @@ class ErrorFeedback:
         self.residual.clear()
 
 
-def _encode_values(
-    tensors: Mapping[str, torch.Tensor], codec: str, block_size: int
-) -> dict[str, torch.Tensor]:
+def _encode_values(tensors: Mapping[str, torch.Tensor], codec: str, block_size: int) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     scales: list[torch.Tensor] = []
     for name in sorted(tensors):
@@ -268,8 +257,9 @@ def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
         out[name] = dequantize_int8(q, scales[offset : offset + count], block_size=block_size)
         offset += count
     if offset != scales.numel():
-        raise CodecError(f"int8 payload: {len(raw)} tensors in blocks of {block_size} need {offset} scales, "
-                         f"got {scales.numel()}")
+        raise CodecError(
+            f"int8 payload: {len(raw)} tensors in blocks of {block_size} need {offset} scales, got {scales.numel()}"
+        )
     return out
 
 

@@ -28,9 +28,7 @@ class ModelConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model config: n_heads={self.n_heads} does not divide d_model={self.d_model}"
-            )
+            raise ValueError(f"model config: n_heads={self.n_heads} does not divide d_model={self.d_model}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -149,8 +149,12 @@ def parse_layout(text: str, *, n_layers: int) -> Layout:
                     raise LayoutError(f"{where}: block {b} is already in level {covered[b]!r}")
                 covered[b] = place
             level = Level(
-                name=f"b{first}-{last}", kind="blocks", sharing=sharing, num_modules_routed=k,
-                first_block=first, last_block=last,
+                name=f"b{first}-{last}",
+                kind="blocks",
+                sharing=sharing,
+                num_modules_routed=k,
+                first_block=first,
+                last_block=last,
             )
         if level.name in names:
             raise LayoutError(f"{where}: level {level.name!r} appears twice")

@@ -13,7 +13,10 @@ Options (all off by default, so the defaults are DiLoCo's Algorithm 1):
 * plain averaging (`OuterConfig.method = "average"`): the module becomes the weighted mean of the trained
   weights, identical to the Nesterov step with lr 1 and momentum 0.
 
-`outer_update` is the one call that does a module's whole round: average, rescale, step.
+`RoundAccumulator` is the one home of a module's round: fold `(outer gradient, weight)` pairs one at a time
+(memory O(module), whatever the number of paths), then `finish` averages, rescales and steps. The coordinator's
+apply, the reference simulator (`modules.simulate`) and the tests' recomputation all go through it;
+`outer_update` is the same thing for gradients already in a list.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class OuterConfig:
     """Multiply a module's averaged outer gradient by sqrt(number of contributing paths); see `rescale`."""
     method: Literal["nesterov", "average"] = "nesterov"
     """`average`: new weights = base - averaged outer gradient (lr and momentum ignored, no momentum kept)."""
+    weighting: Literal["uniform", "tokens"] = "uniform"
+    """How a contribution is weighted in its module's average (`contribution_weight`): `uniform` (DiLoCo's plain
+    mean) or `tokens` (α weights by the tokens trained for it, DiPaCo §2.7)."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -48,6 +54,18 @@ class OuterConfig:
             raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
         if self.method not in ("nesterov", "average"):
             raise ValueError(f"outer method must be 'nesterov' or 'average', got {self.method!r}")
+        if self.weighting not in ("uniform", "tokens"):
+            raise ValueError(f"outer weighting must be 'uniform' or 'tokens', got {self.weighting!r}")
+
+
+def contribution_weight(cfg: OuterConfig, tokens: float) -> float:
+    """Weight of one contribution in its module's average: 1.0 (`uniform`) or the tokens it trained (`tokens`).
+
+    Only ratios matter: `RoundAccumulator.finish` divides by the sum of the weights it was given.
+    """
+    if cfg.weighting == "tokens":
+        return float(tokens)
+    return 1.0
 
 
 def pseudo_gradient(base: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor]) -> Tensors:
@@ -135,6 +153,69 @@ def rescale(grad: Mapping[str, torch.Tensor], num_contributors: int) -> Tensors:
     return {name: t.float() * factor for name, t in grad.items()}
 
 
+class RoundAccumulator:
+    """One module's outer round, folded one contribution at a time: `add(grad, weight)` per path that used the
+    module, then `finish(params, momentum, cfg)` once.
+
+    Memory is one running sum of the module's size, whatever the number of contributions, so the caller can
+    stream outer gradients from disk. A contribution of weight 0 (a path that trained 0 tokens under token
+    weighting) counts as absent, also for n in the √n rescale.
+    """
+
+    __slots__ = ("_count", "_sum", "_total")
+
+    def __init__(self) -> None:
+        self._sum: Tensors | None = None
+        self._total = 0.0
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        """Contributions folded in with a weight > 0."""
+        return self._count
+
+    def add(self, grad: Mapping[str, torch.Tensor], weight: float = 1.0) -> None:
+        """Fold in one path's outer gradient for this module with its weight (>= 0, finite)."""
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"weights must be >= 0 and finite, got {weight}")
+        if weight == 0:
+            return
+        self._sum = accumulate(self._sum, grad, weight)
+        self._total += weight
+        self._count += 1
+
+    def mean(self) -> Tensors:
+        """The weighted mean of what was added, √n-rescaled when the config says so (see `rescale`)."""
+        if self._sum is None:
+            raise ValueError("no contribution was added")
+        return {name: t / self._total for name, t in self._sum.items()}
+
+    def finish(
+        self, params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor] | None, cfg: OuterConfig
+    ) -> tuple[Tensors, Tensors | None]:
+        """The module's new (params, momentum) after this round.
+
+        No contribution: the module keeps its weights and its momentum buffer is returned as is, neither decayed
+        nor applied. This is what `torch.optim.SGD` does for a parameter whose `.grad` is None: it is skipped.
+        Treating "no data" as a zero gradient instead would still move the module by lr * mu * buf (stale
+        momentum from rounds in which paths did use it) and decay the buffer, so a module nobody trained would
+        drift and lose its momentum merely because its paths were idle or failed. With the skip, a missed round
+        is as if it never happened for that module (style rule 9: never half-applied).
+
+        `method="average"`: new params = params - mean gradient (the weighted mean of the trained weights); the
+        momentum is returned unchanged (it is not used).
+        """
+        if self._sum is None:
+            return dict(params), (dict(momentum) if momentum is not None else None)
+        avg = self.mean()
+        if cfg.sqrt_rescale:
+            avg = rescale(avg, self._count)
+        if cfg.method == "average":
+            new = {name: (p.float() - avg[name]).to(p.dtype) for name, p in params.items()}
+            return new, (dict(momentum) if momentum is not None else None)
+        return nesterov_step(params, avg, momentum, cfg)
+
+
 def outer_update(
     params: Mapping[str, torch.Tensor],
     grads: Sequence[Mapping[str, torch.Tensor]],
@@ -142,34 +223,14 @@ def outer_update(
     momentum: Mapping[str, torch.Tensor] | None,
     cfg: OuterConfig,
 ) -> tuple[Tensors, Tensors | None]:
-    """One module's outer round: weighted mean of its paths' outer gradients, optional √n, then the step.
+    """One module's outer round over gradients already in a list: `RoundAccumulator` fed in order, then finished.
 
-    Returns (new params, new momentum). `grads` holds the outer gradients of the paths that used this module
-    and reported this round, `weights` their α weights (uniform: all 1.0).
-
-    No contribution (`grads` empty, or every weight 0): the module keeps its weights and its momentum
-    buffer is returned as is, neither decayed nor applied. This is what `torch.optim.SGD` does for a
-    parameter whose `.grad` is None: it is skipped. Treating "no data" as a zero gradient instead would still
-    move the module by lr * mu * buf (stale momentum from rounds in which paths did use it) and decay the
-    buffer, so a module nobody trained would drift and lose its momentum merely because its paths were idle
-    or failed. With the skip, a missed round is as if it never happened for that module (style rule 9:
-    never half-applied).
-
-    `method="average"`: new params = params - mean gradient (the weighted mean of the trained weights); the
-    momentum is returned unchanged (it is not used).
+    `grads` holds the outer gradients of the paths that used this module and reported this round, `weights`
+    their weights (uniform: all 1.0). Returns (new params, new momentum); see `RoundAccumulator.finish`.
     """
     if len(grads) != len(weights):
         raise ValueError(f"need one weight per gradient: {len(grads)} vs {len(weights)}")
-    if any(not w >= 0 for w in weights):
-        raise ValueError(f"weights must be >= 0, got {list(weights)}")
-    # A weight-0 contribution (a path that trained 0 tokens) counts as absent, also for n in the √n rescale.
-    kept = [(g, w) for g, w in zip(grads, weights, strict=True) if w > 0]
-    if not kept:
-        return dict(params), (dict(momentum) if momentum is not None else None)
-    avg = weighted_average([g for g, _ in kept], [w for _, w in kept])
-    if cfg.sqrt_rescale:
-        avg = rescale(avg, len(kept))
-    if cfg.method == "average":
-        new = {name: (p.float() - avg[name]).to(p.dtype) for name, p in params.items()}
-        return new, (dict(momentum) if momentum is not None else None)
-    return nesterov_step(params, avg, momentum, cfg)
+    acc = RoundAccumulator()
+    for grad, weight in zip(grads, weights, strict=True):
+        acc.add(grad, weight)
+    return acc.finish(params, momentum, cfg)

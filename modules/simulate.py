@@ -19,8 +19,10 @@ Rounds (r = 0 .. rounds-1); inside a round paths run in index order, all from th
        (DiLoCo keeps the inner optimizer state on the worker); it is never reset or averaged.
     5. Outer gradient per level: `pseudo_gradient(module weights at round start, trained weights)`.
     6. The path's train loss for the round is the mean of its H step losses.
-    After every path has trained, each module runs `outer_update` over the paths that use it, in path
-    order, with `path_weights[p]` as the weight (uniform 1.0 by default; use `alpha_weights` for §2.7).
+    After every path has trained, each module folds the outer gradients of the paths that use it into a
+    `RoundAccumulator`, in path order, and finishes it with `outer`. A contribution's weight is
+    `path_weights[p]` when given (e.g. `alpha_weights` of shard sizes, §2.7), else `contribution_weight(outer,
+    tokens)` with the H * B * T tokens it trained, exactly as the coordinator weighs an upload.
     Every module of the layout is used by at least one path, so every module steps every round.
 
 Replicas (`replicas=R`, DiLoCo's data-parallel workers)
@@ -41,7 +43,7 @@ from modules.compose import compose_state, init_level_modules, split_state
 from modules.config import ModelConfig
 from modules.layout import Layout
 from modules.model import PathModel
-from modules.outer import OuterConfig, outer_update, pseudo_gradient
+from modules.outer import OuterConfig, RoundAccumulator, contribution_weight, pseudo_gradient
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 Tensors = dict[str, torch.Tensor]
@@ -93,7 +95,11 @@ def simulate(
         )
     if steps_per_round < 1 or rounds < 0:
         raise ValueError(f"steps_per_round must be >= 1 and rounds >= 0, got {steps_per_round}, {rounds}")
-    weights = [1.0] * num_paths if path_weights is None else [float(w) for w in path_weights]
+    trained_tokens = steps_per_round * inner.batch_size * cfg.seq_len  # per worker and round
+    if path_weights is None:
+        weights = [contribution_weight(outer, trained_tokens)] * num_paths
+    else:
+        weights = [float(w) for w in path_weights]
     if len(weights) != num_paths:
         raise ValueError(f"need one weight per path: {num_paths} paths, got {len(weights)}")
 
@@ -137,11 +143,11 @@ def simulate(
             grads.append([pseudo_gradient(base[lv], trained[lv]) for lv in range(len(base))])
         for lv, mods in enumerate(modules):
             for m in range(len(mods)):
-                users = [w for w in range(workers) if choice[w][lv] == m]
-                contributions = [grads[w][lv] for w in users]
-                mods[m], momentum[lv][m] = outer_update(
-                    mods[m], contributions, [weights[w // replicas] for w in users], momentum[lv][m], outer
-                )
+                acc = RoundAccumulator()
+                for w in range(workers):
+                    if choice[w][lv] == m:
+                        acc.add(grads[w][lv], weights[w // replicas])
+                mods[m], momentum[lv][m] = acc.finish(mods[m], momentum[lv][m], outer)
         # a path's loss is the mean over its workers
         losses.append([sum(worker_losses[p * replicas : (p + 1) * replicas]) / replicas for p in range(num_paths)])
     return SimulationResult(losses=losses, modules=modules, momentum=momentum)

@@ -48,9 +48,7 @@ class InnerConfig:
 
 
 def make_optimizer(model: PathModel, cfg: InnerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
-    )
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
 
 
 def train_steps(

@@ -10,10 +10,12 @@ import torch
 from modules import (
     InnerConfig,
     OuterConfig,
+    RoundAccumulator,
     accumulate,
     alpha_weights,
     batches_from_tokens,
     build_path,
+    contribution_weight,
     decode,
     encode,
     flavour,
@@ -223,3 +225,44 @@ def test_one_path_lr1_momentum0_equals_plain_adamw() -> None:
         for name, t in new.items():
             assert not torch.equal(t, base[name])
             torch.testing.assert_close(t, plain.state_dict()[name], rtol=0, atol=1e-6)
+
+
+def test_round_accumulator_streams_the_same_round_as_outer_update() -> None:
+    params, mom = grad_set(0), grad_set(1)
+    grads = [grad_set(10 + p) for p in range(3)]
+    weights = [2.0, 0.0, 5.0]
+    for cfg in (OuterConfig(), OuterConfig(sqrt_rescale=True, lr=0.5, momentum=0.5), OuterConfig(method="average")):
+        acc = RoundAccumulator()
+        for g, w in zip(grads, weights, strict=True):
+            acc.add(g, w)
+        assert acc.count == 2  # the weight-0 contribution counts as absent
+        got, got_mom = acc.finish(params, mom, cfg)
+        want, want_mom = outer_update(params, grads, weights, mom, cfg)
+        assert got_mom is not None and want_mom is not None
+        for n in params:
+            assert torch.equal(got[n], want[n]) and torch.equal(got_mom[n], want_mom[n])
+        # by hand: weighted mean over the two kept paths, sqrt(2) when asked for
+        mean = {n: (2.0 * grads[0][n] + 5.0 * grads[2][n]) / 7.0 for n in params}
+        scale = math.sqrt(2) if cfg.sqrt_rescale else 1.0
+        if cfg.method == "average":
+            for n in params:
+                torch.testing.assert_close(got[n], params[n] - scale * mean[n], rtol=0, atol=1e-6)
+        else:
+            ref, _ = nesterov_step(params, {n: scale * mean[n] for n in params}, mom, cfg)
+            for n in params:
+                torch.testing.assert_close(got[n], ref[n], rtol=0, atol=1e-6)
+    empty = RoundAccumulator()
+    same, same_mom = empty.finish(params, mom, OuterConfig())
+    assert same_mom is not None and all(torch.equal(same[n], params[n]) for n in params)
+    with pytest.raises(ValueError, match="no contribution"):
+        empty.mean()
+    with pytest.raises(ValueError, match="weights must be >= 0 and finite"):
+        empty.add(grads[0], math.nan)
+
+
+def test_contribution_weight_follows_the_weighting() -> None:
+    assert contribution_weight(OuterConfig(), 4096) == 1.0
+    assert contribution_weight(OuterConfig(weighting="tokens"), 4096) == 4096.0
+    assert contribution_weight(OuterConfig(weighting="tokens"), 0) == 0.0
+    with pytest.raises(ValueError, match="outer weighting must be 'uniform' or 'tokens', got 'shards'"):
+        OuterConfig(weighting="shards")  # type: ignore[arg-type]
