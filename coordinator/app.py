@@ -23,54 +23,68 @@ from coordinator.blobstore import BlobError, open_blob_store
 from coordinator.errors import ServiceError
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
-from coordinator.services.leases import expire_stale_leases
+from coordinator.offer_book import OfferBook
+from coordinator.services.closing import RoundCloser
+from coordinator.services.dispatch import LeaseDispatcher
+from coordinator.services.leases import Affinity
+from coordinator.services.uploads import UploadDesk
 from coordinator.settings import Settings
 from coordinator.timeutil import utcnow
 from coordinator.timing import ServerTiming
-from coordinator.work import work_signature
+from coordinator.wakeups import WorkSignal
 
 log = logging.getLogger(__name__)
 
 
 def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -> AppState:
+    """Migrate, connect, open the blob store, and wire the services that hold per-process state."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     url = settings.resolved_database_url
     if settings.migrate_on_start:
         db.upgrade(url)
     engine = db.make_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
+    sessions = db.make_sessionmaker(engine)
     blobs = open_blob_store(settings.resolved_blob_url, s3_endpoint_url=settings.s3_endpoint_url)
     spool = settings.data_dir.resolve() / "spool"
     spool.mkdir(parents=True, exist_ok=True)
+    metrics = Metrics()
+    faults = FaultInjector(pause_at=settings.fault_pause_at, marker_dir=settings.data_dir.resolve())
+    # paths stay with the island that trained them (offers, reservations)
+    affinity = Affinity(reserve_s=settings.path_reservation_s, live_s=3 * settings.heartbeat_interval_s)
+    wakeups, offers = WorkSignal(), OfferBook()
+    closer = RoundCloser(blobs=blobs, affinity=affinity, metrics=metrics, offers=offers, wakeups=wakeups, faults=faults)
     return AppState(
         settings=settings,
         engine=engine,
-        sessions=db.make_sessionmaker(engine),
+        sessions=sessions,
         blobs=blobs,
         tokens=load_service_tokens(settings),
         clock=clock,
         spool_dir=spool,
-        metrics=Metrics(),
-        faults=FaultInjector(pause_at=settings.fault_pause_at, marker_dir=settings.data_dir.resolve()),
+        metrics=metrics,
+        faults=faults,
         island_tokens=IslandTokenCache(settings.auth_cache_s),
+        wakeups=wakeups,
+        offers=offers,
+        closer=closer,
+        dispatcher=LeaseDispatcher(
+            sessions=sessions,
+            clock=clock,
+            closer=closer,
+            offers=offers,
+            wakeups=wakeups,
+            metrics=metrics,
+            affinity=affinity,
+        ),
+        uploads=UploadDesk(sessions=sessions, blobs=blobs, clock=clock, closer=closer, metrics=metrics, faults=faults),
     )
-
-
-def sweep(state: AppState) -> None:
-    """Expire stale leases and apply rounds that are complete, or past their deadline with quorum."""
-    now = state.clock()
-    with state.sessions() as session:
-        state.metrics.lease_expiries.inc(expire_stale_leases(session, now=now))
-        session.commit()
-        state.apply_rounds(session, None, now=now)
-        state.work.notify_if_changed(work_signature(session, now=now, reserve_s=state.settings.path_reservation_s))
-        session.rollback()
 
 
 async def _sweeper(state: AppState) -> None:
     while True:
         await asyncio.sleep(state.settings.sweep_interval_s)
         try:
-            await run_in_threadpool(sweep, state)
+            await run_in_threadpool(state.dispatcher.sweep)
         except Exception:  # keep sweeping: the next pass retries whatever failed
             log.exception("background sweep failed")
 
@@ -94,12 +108,12 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(settings, clock=clock)
-        state.work.bind(asyncio.get_running_loop())
+        state.wakeups.bind(asyncio.get_running_loop())
         app.state.dipaco = state
         if state.tokens.generated_file is not None:
             log.info("admin and join tokens are in %s", state.tokens.generated_file)
         with state.sessions() as session:
-            recovered = state.apply_rounds(session, None, now=clock())
+            recovered = state.closer.close_ready(session, None, now=clock())
             if recovered:
                 log.info("applied %d complete round(s) left over from before a restart", recovered)
         sweeper = asyncio.create_task(_sweeper(state))

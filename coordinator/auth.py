@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from coordinator.errors import Forbidden, Unauthorized
 from coordinator.models import Island
 from coordinator.settings import Settings
+from coordinator.states import IslandStatus
 
 log = logging.getLogger(__name__)
 Scope = Literal["admin", "join", "island"]
@@ -141,9 +142,9 @@ def authenticate(
     if row is None:
         raise Unauthorized("unknown token")
     island_id, status = row
-    if status == "revoked":
+    if status == IslandStatus.REVOKED:
         raise Unauthorized(f"island {island_id}'s token was revoked")
-    if status == "left":
+    if status == IslandStatus.LEFT:
         raise Unauthorized(f"island {island_id} has left; join again for a new token")
     if cache is not None:
         cache.put(digest, island_id)

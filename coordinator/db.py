@@ -7,7 +7,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -48,6 +48,11 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Eng
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def ping(session: Session) -> None:
+    """One round trip to the database (raises when it does not answer)."""
+    session.execute(text("SELECT 1"))
 
 
 def alembic_config(url: str) -> Config:

@@ -6,7 +6,12 @@ Counters are per process, as usual for Prometheus: sum them over coordinator rep
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from coordinator.errors import ServiceError
 
 
 class Metrics:
@@ -32,3 +37,12 @@ class Metrics:
         self.active_islands = Gauge(
             "dipaco_active_islands", "Islands that heartbeated within 3 heartbeat intervals", registry=self.registry
         )
+
+    @contextmanager
+    def counting_refused_uploads(self) -> Iterator[None]:
+        """Count an upload refused inside the block by its error class (`invalid`, `conflict`, ...)."""
+        try:
+            yield
+        except ServiceError as exc:
+            self.contributions.labels(result=type(exc).__name__.lower()).inc()
+            raise

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     DateTime,
+    Enum,
     Float,
     ForeignKey,
     Index,
@@ -18,6 +20,9 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from coordinator.states import ContributionStatus, IslandStatus, LeaseStatus, RoundStatus, RunStatus
+from coordinator.timeutil import utcnow
 
 # BIGINT on PostgreSQL; plain INTEGER on SQLite, where only "INTEGER PRIMARY KEY" auto-increments.
 BigInt = BigInteger().with_variant(Integer(), "sqlite")
@@ -31,8 +36,21 @@ NAMING = {
 }
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+def state_column(states: type[StrEnum], *, length: int) -> Enum:
+    """A status column: the enum's values as VARCHAR(length) with a CHECK constraint (`ck_<table>_status`).
+
+    Not a native PostgreSQL enum, so adding a state later is a constraint change, not an `ALTER TYPE`. Assigning
+    a string that is not a value raises before anything reaches the database.
+    """
+    return Enum(
+        states,
+        name="status",
+        native_enum=False,
+        create_constraint=True,
+        length=length,
+        values_callable=lambda enum: [member.value for member in enum],
+        validate_strings=True,
+    )
 
 
 class Base(DeclarativeBase):
@@ -44,7 +62,7 @@ class Run(Base):
     __tablename__ = "runs"
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
-    status: Mapped[str] = mapped_column(String(32))  # waiting_for_shards | running | finished
+    status: Mapped[RunStatus] = mapped_column(state_column(RunStatus, length=32))
     layout: Mapped[str] = mapped_column(String(2000))
     config: Mapped[dict[str, Any]]
     num_paths: Mapped[int]
@@ -145,7 +163,7 @@ class Island(Base):
     site: Mapped[str] = mapped_column(String(200))
     capabilities: Mapped[dict[str, Any]]
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    status: Mapped[str] = mapped_column(String(16))  # active | left | revoked
+    status: Mapped[IslandStatus] = mapped_column(state_column(IslandStatus, length=16))
     last_heartbeat: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -162,7 +180,7 @@ class Lease(Base):
     island_id: Mapped[int] = mapped_column(ForeignKey("islands.id", ondelete="CASCADE"), index=True)
     path_id: Mapped[int] = mapped_column(ForeignKey("paths.id", ondelete="CASCADE"))
     round: Mapped[int]
-    status: Mapped[str] = mapped_column(String(16), index=True)  # active | submitted | expired | released
+    status: Mapped[LeaseStatus] = mapped_column(state_column(LeaseStatus, length=16), index=True)
     base_versions: Mapped[dict[str, Any]]  # {module_id: version}
     token_start: Mapped[int]
     token_end: Mapped[int]
@@ -186,7 +204,7 @@ class Contribution(Base):
     path_id: Mapped[int] = mapped_column(ForeignKey("paths.id", ondelete="CASCADE"))
     tokens: Mapped[int]
     train_loss: Mapped[float] = mapped_column(Float)
-    status: Mapped[str] = mapped_column(String(16))  # accepted
+    status: Mapped[ContributionStatus] = mapped_column(state_column(ContributionStatus, length=16))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     grads: Mapped[list[ContributionGrad]] = relationship(lazy="raise")
@@ -209,7 +227,7 @@ class Round(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     number: Mapped[int]
-    status: Mapped[str] = mapped_column(String(16))  # open | applied
+    status: Mapped[RoundStatus] = mapped_column(state_column(RoundStatus, length=16))
     opened_at: Mapped[datetime] = mapped_column(default=utcnow)
     deadline: Mapped[datetime | None] = mapped_column(comment="After it, quorum suffices to close the round")
     applied_at: Mapped[datetime | None]

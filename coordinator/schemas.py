@@ -11,6 +11,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.states import ContributionStatus, IslandStatus, LeaseStatus, RoundStatus, RunStatus
+
 T = TypeVar("T")
 
 # Header names used on raw-body requests and responses.
@@ -23,9 +25,11 @@ H_TRAIN_LOSS = "X-Dipaco-Train-Loss"
 H_CONTENT_HASH = "X-Dipaco-Content-Sha256"
 """Download: sha256 of the body (also sent as the ETag)."""
 H_IDLE = "X-Dipaco-Idle"
+"""Lease 204: `waiting` (work may come; honour Retry-After) or `no-running-runs`."""
 H_HELD = "X-Dipaco-Held-Ms"
 """How long a long-polled lease request was held with no work (milliseconds)."""
-"""Lease 204: `waiting` (work may come; honour Retry-After) or `no-running-runs`."""
+IdleReason = Literal["waiting", "no-running-runs"]
+"""Values of `H_IDLE`."""
 
 # Outer gradient upload: one safetensors file whose tensor names are f"{level_name}/{param_name}",
 # one entry for every parameter of every module on the leased path, dtype F32, same shapes as the module.
@@ -65,9 +69,22 @@ class InnerSpec(BaseModel):
 
 
 class OuterSpec(BaseModel):
+    """Outer optimizer of every module (see `modules.OuterConfig`, the one home of the outer round)."""
+
     model_config = ConfigDict(extra="forbid")
-    lr: float = Field(default=0.7, gt=0)
-    momentum: float = Field(default=0.9, ge=0, lt=1)
+    lr: float = Field(default=0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7)")
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="Nesterov momentum (DiLoCo: 0.9)")
+    method: Literal["nesterov", "average"] = Field(
+        default="nesterov",
+        description="`average`: a module becomes the weighted mean of its paths' trained weights (lr, momentum unused)",
+    )
+    weighting: Literal["uniform", "tokens"] = Field(
+        default="uniform",
+        description="Weight of a path's outer gradient in its module's mean: equal, or its tokens trained (α, §2.7)",
+    )
+    sqrt_rescale: bool = Field(
+        default=False, description="Multiply a module's mean outer gradient by sqrt(number of contributing paths)"
+    )
 
 
 class RunCreate(BaseModel):
@@ -95,7 +112,7 @@ class RunCreate(BaseModel):
 class RunPublic(BaseModel):
     id: int
     name: str
-    status: Literal["waiting_for_shards", "running", "finished"]
+    status: RunStatus
     current_round: int
     num_rounds: int
     num_paths: int
@@ -153,7 +170,7 @@ class ShardPublic(BaseModel):
 class RoundPublic(BaseModel):
     run_id: int
     number: int
-    status: Literal["open", "applied"]
+    status: RoundStatus
     contributions: int
     mean_train_loss: float | None
     opened_at: datetime
@@ -185,7 +202,7 @@ class IslandPublic(BaseModel):
     id: int
     name: str
     site: str
-    status: Literal["active", "left", "revoked"]
+    status: IslandStatus
     capabilities: IslandCapabilities
     last_heartbeat: datetime | None
     created_at: datetime
@@ -230,7 +247,7 @@ class LeasePublic(BaseModel):
     epoch: int
     seed: int
     expires_at: datetime
-    status: Literal["active", "submitted", "expired", "released"]
+    status: LeaseStatus
 
 
 class ContributionPublic(BaseModel):
@@ -241,17 +258,15 @@ class ContributionPublic(BaseModel):
     path_index: int
     tokens: int
     train_loss: float
-    status: Literal["accepted"]
+    status: ContributionStatus
     round_applied: bool = Field(description="Whether this upload completed the round")
 
 
-class Message(BaseModel):
-    detail: str
+class LeaseReleased(BaseModel):
+    """Reply to a release: the lease's state afterwards (`released`, or `expired` if it had run out)."""
 
-
-class LeaseStatus(BaseModel):
     lease_id: int
-    status: Literal["active", "submitted", "expired", "released", "offered"]
+    status: LeaseStatus
 
 
 class ContributionSummary(BaseModel):
@@ -263,5 +278,5 @@ class ContributionSummary(BaseModel):
     island_id: int
     tokens: int
     train_loss: float
-    status: str
+    status: ContributionStatus
     created_at: datetime

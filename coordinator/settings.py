@@ -1,6 +1,6 @@
 """Coordinator settings: one pydantic-settings class, environment prefix `DIPACO_`.
 
-Timeouts, and how they relate (checked in `check_timeouts`):
+Timeouts, and how they relate (by their defaults; nothing checks a run's TTL against the interval):
   island HTTP request timeout (60 s, island side) < heartbeat interval * 3 <= run's lease TTL (default 120 s).
 The heartbeat interval is the coordinator's; each run has its own lease TTL (RunCreate.lease_ttl_s).
 """

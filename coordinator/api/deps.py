@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,14 +20,18 @@ from coordinator.auth import IslandTokenCache, Principal, ServiceTokens, authent
 from coordinator.blobstore import BlobStore
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
-from coordinator.services.leases import Affinity, ReadyOffer
-from coordinator.services.rounds import apply_ready_rounds
+from coordinator.offer_book import OfferBook
+from coordinator.services.closing import RoundCloser
+from coordinator.services.dispatch import LeaseDispatcher
+from coordinator.services.uploads import UploadDesk
 from coordinator.settings import Settings
-from coordinator.work import OfferBook, WorkSignal
+from coordinator.wakeups import WorkSignal
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class AppState:
+    """What the lifespan builds once per process (`coordinator.app.build_state`) and requests share."""
+
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
@@ -40,39 +43,16 @@ class AppState:
     faults: FaultInjector
     island_tokens: IslandTokenCache
     """Island tokens found valid recently (settings.auth_cache_s): most requests authenticate without a query."""
-    work: WorkSignal = field(default_factory=WorkSignal)
-    """Wakes lease requests that wait for work (see coordinator/work.py)."""
-    offers: OfferBook = field(default_factory=OfferBook)
-    """Offers made by this process's applies, ready to hand out (see coordinator/work.py)."""
-    lease_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
-    """Lease attempts in flight at once: they serialise on the run row anyway, and the threads they would hold
-    are better left to heartbeats and uploads when a round opens and every island asks at once."""
-
-    @property
-    def affinity(self) -> Affinity:
-        """Paths stay with the island that trained them (offers, reservations), from the settings."""
-        return Affinity(reserve_s=self.settings.path_reservation_s, live_s=3 * self.settings.heartbeat_interval_s)
-
-    def apply_rounds(self, session: Session, run_ids: list[int] | None, *, now: datetime) -> int:
-        """Apply the ready rounds of `run_ids` (None: every running run); returns how many were applied.
-
-        Their offers go to the offer book and held lease requests wake (the next rounds are open).
-        """
-        offered: list[ReadyOffer] = []
-        applied = apply_ready_rounds(
-            session,
-            self.blobs,
-            now=now,
-            run_ids=run_ids,
-            faults=self.faults,
-            affinity=self.affinity,
-            offered=offered,
-        )
-        if applied:
-            self.metrics.rounds_applied.inc(applied)
-            self.offers.put(offered, now=now)
-            self.work.notify()
-        return applied
+    wakeups: WorkSignal
+    """Wakes lease requests that wait for work (see coordinator/wakeups.py)."""
+    offers: OfferBook
+    """Offers made by this process's applies, ready to hand out (see coordinator/offer_book.py)."""
+    closer: RoundCloser
+    """Applies ready rounds (services/closing.py)."""
+    dispatcher: LeaseDispatcher
+    """Answers lease requests and runs the background sweep (services/dispatch.py)."""
+    uploads: UploadDesk
+    """Accepts outer-gradient uploads (services/uploads.py)."""
 
 
 def get_state(request: Request) -> AppState:

@@ -8,10 +8,12 @@ from datetime import datetime, timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from coordinator.auth import hash_token, new_token
+from coordinator.auth import IslandTokenCache, hash_token, new_token
 from coordinator.errors import NotFound
 from coordinator.models import Island, Lease, Run
 from coordinator.schemas import IslandJoin
+from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus
+from coordinator.wakeups import WorkSignal
 
 
 def join(session: Session, spec: IslandJoin, *, now: datetime) -> tuple[Island, str]:
@@ -21,7 +23,7 @@ def join(session: Session, spec: IslandJoin, *, now: datetime) -> tuple[Island, 
         site=spec.site,
         capabilities=spec.capabilities.model_dump(),
         token_hash=hash_token(token),
-        status="active",
+        status=IslandStatus.ACTIVE,
         last_heartbeat=now,
         created_at=now,
     )
@@ -49,7 +51,7 @@ def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
     rows = session.execute(
         select(Lease.id, Run.lease_ttl_s)
         .join(Run, Run.id == Lease.run_id)
-        .where(Lease.island_id == island_id, Lease.status == "active", Lease.expires_at >= now)
+        .where(Lease.island_id == island_id, Lease.status == LeaseStatus.ACTIVE, Lease.expires_at >= now)
     ).all()
     by_ttl: dict[float, list[int]] = defaultdict(list)
     for lease_id, ttl in rows:
@@ -59,7 +61,7 @@ def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
         # re-checked in the UPDATE: a lease submitted or released since the SELECT stays as it is
         extended += session.scalars(
             update(Lease)
-            .where(Lease.id.in_(ids), Lease.status == "active")
+            .where(Lease.id.in_(ids), Lease.status == LeaseStatus.ACTIVE)
             .values(expires_at=now + timedelta(seconds=ttl))
             .returning(Lease.id),
             execution_options={"synchronize_session": False},
@@ -68,15 +70,24 @@ def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
     return sorted(extended)
 
 
-def leave(session: Session, island_id: int, *, status: str = "left") -> None:
-    """The island leaves (or is revoked): its active leases go back to the pool at once."""
+def leave(
+    session: Session,
+    island_id: int,
+    *,
+    status: IslandStatus,
+    token_cache: IslandTokenCache,
+    wakeups: WorkSignal,
+) -> None:
+    """The island leaves (`left`, with its own token) or is revoked by an admin: its token stops working in this
+    process at once (other processes: within their auth cache time) and its pending leases go back to the pool,
+    which may be work for islands waiting."""
     island = get_island(session, island_id)
     island.status = status
-    for lease in session.scalars(
-        select(Lease).where(Lease.island_id == island_id, Lease.status.in_(("active", "offered")))
-    ):
-        lease.status = "released"
+    for lease in session.scalars(select(Lease).where(Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES))):
+        lease.status = LeaseStatus.RELEASED
     session.commit()
+    token_cache.forget(island_id)
+    wakeups.notify()
 
 
 def count_active(session: Session, *, now: datetime, within_s: float) -> int:
@@ -84,7 +95,9 @@ def count_active(session: Session, *, now: datetime, within_s: float) -> int:
     cutoff = now - timedelta(seconds=within_s)
     return int(
         session.scalar(
-            select(func.count()).select_from(Island).where(Island.status == "active", Island.last_heartbeat >= cutoff)
+            select(func.count())
+            .select_from(Island)
+            .where(Island.status == IslandStatus.ACTIVE, Island.last_heartbeat >= cutoff)
         )
         or 0
     )

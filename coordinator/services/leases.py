@@ -30,10 +30,9 @@ from coordinator.errors import Conflict, Forbidden, NotFound
 from coordinator.models import Island, Lease, Level, Module, Path, PathModule, Round, Run, Shard
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
 from coordinator.services.runs import tokens_per_lease
+from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, RoundStatus, RunStatus
 from coordinator.timeutil import as_utc
-
-PENDING = ("active", "offered")
-"""Lease states that hold a path until they expire."""
+from coordinator.wakeups import WorkSignal
 
 
 def expire_stale_leases(session: Session, *, now: datetime, run_id: int | None = None) -> int:
@@ -41,13 +40,28 @@ def expire_stale_leases(session: Session, *, now: datetime, run_id: int | None =
 
     A cheap read first: most calls find nothing to expire and then write nothing (no row locks taken).
     """
-    stale = [Lease.status.in_(PENDING), Lease.expires_at < now]
+    stale = [Lease.status.in_(PENDING_LEASES), Lease.expires_at < now]
     if run_id is not None:
         stale.append(Lease.run_id == run_id)
     if session.scalar(select(Lease.id).where(*stale).limit(1)) is None:
         return 0
-    result = session.execute(update(Lease).where(*stale).values(status="expired"))
+    result = session.execute(update(Lease).where(*stale).values(status=LeaseStatus.EXPIRED))
     return int(result.rowcount or 0)  # type: ignore[attr-defined]
+
+
+def work_signature(session: Session, *, now: datetime, reserve_s: float) -> tuple[int | None, int, int]:
+    """Changes here can free a path: a round opened (newest round id), a lease expired or was released, a
+    round's reservation window ended (paths kept for other islands become free to all)."""
+    newest_round = session.scalar(select(func.max(Round.id)))
+    given_back = session.scalar(
+        select(func.count()).select_from(Lease).where(Lease.status.in_((LeaseStatus.EXPIRED, LeaseStatus.RELEASED)))
+    )
+    reserving = session.scalar(
+        select(func.count())
+        .select_from(Round)
+        .where(Round.status == RoundStatus.OPEN, Round.opened_at >= now - timedelta(seconds=reserve_s))
+    )
+    return newest_round, int(given_back or 0), int(reserving or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +92,7 @@ def open_rounds(session: Session) -> list[OpenRound]:
     rows = session.execute(
         select(Run.id, Run.current_round, Round.opened_at, Round.deadline)
         .join(Round, and_(Round.run_id == Run.id, Round.number == Run.current_round), isouter=True)
-        .where(Run.status == "running")
+        .where(Run.status == RunStatus.RUNNING)
         .order_by(Run.id)
     ).all()
     return [
@@ -97,14 +111,14 @@ def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity:
     busy = select(Lease.path_id).where(
         Lease.run_id == rnd.run_id,
         Lease.round == rnd.number,
-        or_(Lease.status == "submitted", and_(Lease.status.in_(PENDING), Lease.expires_at >= now)),
+        or_(Lease.status == LeaseStatus.SUBMITTED, and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now)),
     )
     query = select(Path).where(Path.run_id == rnd.run_id, Path.id.not_in(busy))
     opened = rnd.opened_at
     if affinity.reserve_s > 0 and opened is not None and now < opened + timedelta(seconds=affinity.reserve_s):
         others = select(Island.id).where(
             Island.id != island_id,
-            Island.status == "active",
+            Island.status == IslandStatus.ACTIVE,
             Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s),
         )
         query = query.where(or_(Path.last_island_id.is_(None), Path.last_island_id.not_in(others)))
@@ -133,7 +147,7 @@ def acquire_lease(
         run = session.scalar(
             select(Run).where(Run.id == rnd.run_id).with_for_update().execution_options(populate_existing=True)
         )
-        if run is None or run.status != "running" or run.current_round != rnd.number:
+        if run is None or run.status != RunStatus.RUNNING or run.current_round != rnd.number:
             session.rollback()
             continue
         expired = expire_stale_leases(session, now=now, run_id=run.id)
@@ -159,7 +173,7 @@ def next_change(session: Session, rounds: list[OpenRound], *, now: datetime, aff
     expiry = session.scalar(
         select(func.min(Lease.expires_at)).where(
             or_(*(and_(Lease.run_id == r.run_id, Lease.round == r.number) for r in rounds)),
-            Lease.status.in_(PENDING),
+            Lease.status.in_(PENDING_LEASES),
             Lease.expires_at >= now,
         )
     )
@@ -208,7 +222,7 @@ def _new_lease(
     *,
     num_tokens: int,
     base_versions: dict[str, int],
-    status: str,
+    status: LeaseStatus,
     expires: datetime,
     now: datetime,
 ) -> Lease:
@@ -247,7 +261,7 @@ def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list
         epoch=lease.epoch,
         seed=run.seed * 1_000_003 + lease.round * 1_009 + path.index,
         expires_at=as_utc(lease.expires_at),
-        status="active",
+        status=LeaseStatus.ACTIVE,
     )
 
 
@@ -261,7 +275,7 @@ def _issue(session: Session, run: Run, path: Path, island_id: int, *, now: datet
         island_id,
         num_tokens=shard.num_tokens,
         base_versions=versions,
-        status="active",
+        status=LeaseStatus.ACTIVE,
         expires=expires,
         now=now,
     )
@@ -292,7 +306,7 @@ def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
     if affinity.reserve_s <= 0:
         return []
     live = select(Island.id).where(
-        Island.status == "active", Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s)
+        Island.status == IslandStatus.ACTIVE, Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s)
     )
     chosen: dict[int, Path] = {}
     for path in session.scalars(
@@ -328,7 +342,7 @@ def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
             island_id,
             num_tokens=shards[path.index].num_tokens,
             base_versions={str(m.module_id): m.version for m in modules[path.id]},
-            status="offered",
+            status=LeaseStatus.OFFERED,
             expires=expires,
             now=now,
         )
@@ -356,14 +370,19 @@ def take_up_offers(session: Session, offers: list[ReadyOffer], *, now: datetime)
     by_ttl: dict[float, list[int]] = {}
     for offer in offers:
         by_ttl.setdefault(offer.lease_ttl_s, []).append(offer.lease_id)
-    current = select(Run.current_round).where(Run.id == Lease.run_id, Run.status == "running").scalar_subquery()
+    current = select(Run.current_round).where(Run.id == Lease.run_id, Run.status == RunStatus.RUNNING).scalar_subquery()
     taken: set[int] = set()
     for ttl, ids in by_ttl.items():
         taken.update(
             session.scalars(
                 update(Lease)
-                .where(Lease.id.in_(ids), Lease.status == "offered", Lease.expires_at >= now, Lease.round == current)
-                .values(status="active", expires_at=now + timedelta(seconds=ttl))
+                .where(
+                    Lease.id.in_(ids),
+                    Lease.status == LeaseStatus.OFFERED,
+                    Lease.expires_at >= now,
+                    Lease.round == current,
+                )
+                .values(status=LeaseStatus.ACTIVE, expires_at=now + timedelta(seconds=ttl))
                 .returning(Lease.id),
                 execution_options={"synchronize_session": False},
             )
@@ -381,7 +400,7 @@ def take_offer(session: Session, island_id: int, *, now: datetime) -> LeasePubli
     """The island's pending offer, turned into an active lease (committed); None when it has none."""
     lease = session.scalar(
         select(Lease)
-        .where(Lease.island_id == island_id, Lease.status == "offered", Lease.expires_at >= now)
+        .where(Lease.island_id == island_id, Lease.status == LeaseStatus.OFFERED, Lease.expires_at >= now)
         .order_by(Lease.id)
         .limit(1)
         .with_for_update()
@@ -389,12 +408,12 @@ def take_offer(session: Session, island_id: int, *, now: datetime) -> LeasePubli
     if lease is None:
         return None
     run = session.get_one(Run, lease.run_id)
-    if run.status != "running" or run.current_round != lease.round:
-        lease.status = "expired"  # its round closed without it (deadline and quorum)
+    if run.status != RunStatus.RUNNING or run.current_round != lease.round:
+        lease.status = LeaseStatus.EXPIRED  # its round closed without it (deadline and quorum)
         session.commit()
         return None
     path = session.get_one(Path, lease.path_id)
-    lease.status = "active"
+    lease.status = LeaseStatus.ACTIVE
     lease.expires_at = now + timedelta(seconds=run.lease_ttl_s)
     shard, modules = _shard(session, run.id, path.index), _modules(session, path.id)
     session.commit()
@@ -408,13 +427,15 @@ def get_lease(session: Session, lease_id: int) -> Lease:
     return lease
 
 
-def release_lease(session: Session, lease_id: int, island_id: int) -> Lease:
+def release_lease(session: Session, lease_id: int, island_id: int, *, wakeups: WorkSignal) -> Lease:
+    """The island gives its lease back (e.g. on Ctrl-C): its path is free for the same round at once."""
     lease = get_lease(session, lease_id)
     if lease.island_id != island_id:
         raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
-    if lease.status == "active":
-        lease.status = "released"
-    elif lease.status == "submitted":
+    if lease.status == LeaseStatus.ACTIVE:
+        lease.status = LeaseStatus.RELEASED
+    elif lease.status == LeaseStatus.SUBMITTED:
         raise Conflict(f"lease {lease_id} was already submitted; nothing to release")
     session.commit()
+    wakeups.notify()
     return lease

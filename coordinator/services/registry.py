@@ -8,7 +8,18 @@ from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session, selectinload
 
 from coordinator.errors import NotFound
-from coordinator.models import Contribution, Island, Lease, Module, Path, PathModule, Round, Run, Shard
+from coordinator.models import (
+    Contribution,
+    Island,
+    Lease,
+    Module,
+    ModuleVersion,
+    Path,
+    PathModule,
+    Round,
+    Run,
+    Shard,
+)
 from coordinator.schemas import (
     ContributionSummary,
     IslandCapabilities,
@@ -18,6 +29,7 @@ from coordinator.schemas import (
     RoundPublic,
     RunPublic,
 )
+from coordinator.states import ContributionStatus, IslandStatus, RunStatus
 from coordinator.timeutil import as_utc
 
 
@@ -31,7 +43,7 @@ def run_public(run: Run) -> RunPublic:
     return RunPublic(
         id=run.id,
         name=run.name,
-        status=run.status,  # type: ignore[arg-type]
+        status=run.status,
         current_round=run.current_round,
         num_rounds=run.num_rounds,
         num_paths=run.num_paths,
@@ -45,7 +57,7 @@ def run_public(run: Run) -> RunPublic:
     )
 
 
-def list_runs(session: Session, *, status: str | None, offset: int, limit: int) -> tuple[list[RunPublic], int]:
+def list_runs(session: Session, *, status: RunStatus | None, offset: int, limit: int) -> tuple[list[RunPublic], int]:
     q = select(Run).order_by(Run.id)
     if status:
         q = q.where(Run.status == status)
@@ -85,6 +97,22 @@ def get_module(session: Session, module_id: int) -> Module:
     if m is None:
         raise NotFound(f"module {module_id} does not exist")
     return m
+
+
+def module_weights_hash(session: Session, module_id: int, *, version: int | None) -> str:
+    """The blob holding a module's weights: its current version, or `version` from its history."""
+    row = session.execute(select(Module.version, Module.weights_hash).where(Module.id == module_id)).first()
+    if row is None:
+        raise NotFound(f"module {module_id} does not exist")
+    current, digest = row
+    if version is None or version == current:
+        return str(digest)
+    past = session.scalar(
+        select(ModuleVersion.weights_hash).where(ModuleVersion.module_id == module_id, ModuleVersion.version == version)
+    )
+    if past is None:
+        raise NotFound(f"module {module_id} has no version {version}; current version is {current}")
+    return past
 
 
 def paths_public(session: Session, paths: list[Path]) -> list[PathPublic]:
@@ -141,14 +169,16 @@ def island_public(i: Island) -> IslandPublic:
         id=i.id,
         name=i.name,
         site=i.site,
-        status=i.status,  # type: ignore[arg-type]
+        status=i.status,
         capabilities=IslandCapabilities(**i.capabilities),
         last_heartbeat=as_utc(i.last_heartbeat) if i.last_heartbeat else None,
         created_at=as_utc(i.created_at),
     )
 
 
-def list_islands(session: Session, *, status: str | None, offset: int, limit: int) -> tuple[list[IslandPublic], int]:
+def list_islands(
+    session: Session, *, status: IslandStatus | None, offset: int, limit: int
+) -> tuple[list[IslandPublic], int]:
     q = select(Island).order_by(Island.id)
     if status:
         q = q.where(Island.status == status)
@@ -163,7 +193,7 @@ def list_rounds(session: Session, run_id: int) -> list[RoundPublic]:
         number: (n, loss)
         for number, n, loss in session.execute(
             select(Contribution.round, func.count(), func.avg(Contribution.train_loss))
-            .where(Contribution.run_id == run_id, Contribution.status == "accepted")
+            .where(Contribution.run_id == run_id, Contribution.status == ContributionStatus.ACCEPTED)
             .group_by(Contribution.round)
         )
     }
@@ -174,7 +204,7 @@ def list_rounds(session: Session, run_id: int) -> list[RoundPublic]:
             RoundPublic(
                 run_id=run_id,
                 number=r.number,
-                status=r.status,  # type: ignore[arg-type]
+                status=r.status,
                 contributions=n,
                 mean_train_loss=float(loss) if loss is not None else None,
                 opened_at=as_utc(r.opened_at),

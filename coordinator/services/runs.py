@@ -13,6 +13,7 @@ from coordinator.blobstore import BlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.models import Level, Module, ModuleVersion, Path, PathModule, Run
 from coordinator.schemas import RunCreate
+from coordinator.states import RunStatus
 from modules import InnerConfig, LayoutError, ModelConfig, encode, flavour, init_level_modules, parse_layout
 from modules.layout import Layout
 
@@ -32,10 +33,6 @@ def run_model_config(run: Run) -> ModelConfig:
 
 def run_layout(run: Run) -> Layout:
     return parse_layout(run.layout, n_layers=run.config["model"]["n_layers"])
-
-
-def run_inner_config(run: Run) -> InnerConfig:
-    return InnerConfig(**run.config["inner"])
 
 
 def tokens_per_lease(run: Run) -> int:
@@ -60,7 +57,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate) -> Run:
     }
     run = Run(
         name=spec.name,
-        status="waiting_for_shards",
+        status=RunStatus.WAITING_FOR_SHARDS,
         layout=layout.spec(),
         config=config,
         num_paths=layout.num_paths,

@@ -14,6 +14,8 @@ from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.models import Shard
 from coordinator.services.rounds import open_round
 from coordinator.services.runs import get_run, tokens_per_lease
+from coordinator.states import RunStatus
+from coordinator.wakeups import WorkSignal
 
 
 def register_shard(
@@ -25,9 +27,11 @@ def register_shard(
     body: FilePath,
     num_documents: int,
     now: datetime,
+    wakeups: WorkSignal,
 ) -> Shard:
+    """Store a path's shard; the last one starts the run (round 0 opens, islands waiting for work wake)."""
     run = get_run(session, run_id)
-    if run.status != "waiting_for_shards":
+    if run.status != RunStatus.WAITING_FOR_SHARDS:
         raise Conflict(f"run {run_id} is {run.status}; shards can only be registered before training starts")
     if not 0 <= path_index < run.num_paths:
         raise NotFound(f"path {path_index} does not exist: run {run_id} has paths 0..{run.num_paths - 1}")
@@ -57,10 +61,13 @@ def register_shard(
     shard.num_documents = num_documents
     session.flush()
     registered = session.scalar(select(func.count()).select_from(Shard).where(Shard.run_id == run_id))
-    if registered == run.num_paths:
-        run.status = "running"
+    started = registered == run.num_paths
+    if started:
+        run.status = RunStatus.RUNNING
         open_round(session, run, 0, now=now)
     session.commit()
+    if started:
+        wakeups.notify()
     return shard
 
 

@@ -9,6 +9,7 @@ the same contribution (idempotent).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path as FilePath
@@ -18,17 +19,36 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.blobstore import BlobStore
 from coordinator.errors import Conflict, Forbidden, Invalid
 from coordinator.faults import NO_FAULTS, FaultInjector
+from coordinator.metrics import Metrics
 from coordinator.models import Contribution, ContributionGrad, Lease, Level, Module, Path, PathModule, Run
-from coordinator.schemas import GRAD_KEY_SEP
+from coordinator.schemas import GRAD_KEY_SEP, ContributionPublic
+from coordinator.services.closing import RoundCloser
 from coordinator.services.leases import get_lease
 from coordinator.services.runs import run_layout, run_model_config
+from coordinator.states import ContributionStatus, LeaseStatus, RunStatus
 from modules import CodecError, Layout, ModelConfig, level_param_shapes
 from modules.codec import read_header
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """One outer-gradient upload as received: the lease it is for, the island that sent it (from its token),
+    its headers and the spooled body with the sha256 computed while it streamed in."""
+
+    lease_id: int
+    island_id: int
+    round: int | None
+    """`X-Dipaco-Round`, when sent: must equal the lease's round."""
+    tokens: int
+    """`X-Dipaco-Tokens`: tokens trained for the lease (the weight under `outer.weighting = "tokens"`)."""
+    train_loss: float
+    body: FilePath
+    body_sha256: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,24 +59,66 @@ class Submitted:
     path_index: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """What payload validation needs, read before the (lock-free) validation."""
+
+    run_id: int
+    cfg: ModelConfig
+    layout: Layout
+    levels: dict[int, tuple[int, str]]
+    """level index -> (module id, level name) of the lease's path."""
+
+
+class UploadDesk:
+    """Accepts uploads for this process: the transaction (`submit_outer_gradients`), the counts, and the round
+    close when the upload completed its round."""
+
+    def __init__(
+        self,
+        *,
+        sessions: sessionmaker[Session],
+        blobs: BlobStore,
+        clock: Callable[[], datetime],
+        closer: RoundCloser,
+        metrics: Metrics,
+        faults: FaultInjector,
+    ) -> None:
+        self._sessions = sessions
+        self._blobs = blobs
+        self._clock = clock
+        self._closer = closer
+        self._metrics = metrics
+        self._faults = faults
+
+    def accept(self, upload: Upload) -> ContributionPublic:
+        """Accept (or refuse, with a `ServiceError`) one upload; runs on a worker thread."""
+        now = self._clock()
+        with self._sessions() as session:
+            submitted = submit_outer_gradients(session, self._blobs, upload, now=now, faults=self._faults)
+            contribution = submitted.contribution
+            self._metrics.contributions.labels(result="accepted" if submitted.created else "duplicate").inc()
+            applied = submitted.created and self._closer.close_ready(session, [contribution.run_id], now=now) > 0
+            return ContributionPublic(
+                id=contribution.id,
+                lease_id=upload.lease_id,
+                run_id=contribution.run_id,
+                round=contribution.round,
+                path_index=submitted.path_index,
+                tokens=contribution.tokens,
+                train_loss=contribution.train_loss,
+                status=contribution.status,
+                round_applied=applied,
+            )
+
+
 def submit_outer_gradients(
-    session: Session,
-    blobs: BlobStore,
-    *,
-    lease_id: int,
-    island_id: int,
-    round_header: int | None,
-    tokens: int,
-    train_loss: float,
-    body: FilePath,
-    body_sha256: str,
-    now: datetime,
-    faults: FaultInjector = NO_FAULTS,
+    session: Session, blobs: BlobStore, upload: Upload, *, now: datetime, faults: FaultInjector = NO_FAULTS
 ) -> Submitted:
     """Accept (or refuse) one upload and commit.
 
-    `body` is the spooled upload and `body_sha256` its hash; an accepted body is moved into the blob store as is
-    (one blob per upload, no re-encoding); each module's part is found by its tensor-name prefix.
+    An accepted body is moved into the blob store as is (one blob per upload, no re-encoding); each module's
+    part is found by its tensor-name prefix.
 
     Two phases: the checks and the payload validation run without holding any lock (validation is the slow
     part); then, under a shared lock on the run row (uploads side by side, a round apply excluded), the lease
@@ -65,44 +127,67 @@ def submit_outer_gradients(
     under the lock means its base versions are too. A unique (path, round) constraint keeps a second upload for
     the same path out even if two race.
     """
-    lease = get_lease(session, lease_id)
-    if lease.island_id != island_id:
-        raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
-    prior = _prior_contribution(session, lease)
-    if prior is not None and prior.lease_id == lease_id:
-        return Submitted(prior, False, _path_index(session, lease))
-    if tokens < 0:
-        raise Invalid(f"tokens must be >= 0, got {tokens}")
-    if not math.isfinite(train_loss):
-        raise Invalid(f"train loss must be finite, got {train_loss}")
-    run = session.get_one(Run, lease.run_id)
-    _check_lease(run, lease, round_header, prior)
-    cfg, layout = run_model_config(run), run_layout(run)
-    levels = _path_levels(session, lease)
-    run_id = lease.run_id  # read before the rollback expires the lease (a refresh would cost a query)
+    checked = _check_upload(session, upload)
+    if isinstance(checked, Submitted):
+        return checked
     session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
+    prefixes = _validated_payload(upload.body, checked.cfg, checked.layout, checked.levels)
+    return _record(session, blobs, upload, checked, prefixes, now=now, faults=faults)
 
-    prefixes = _validated_payload(body, cfg, layout, levels)
 
-    locked = session.scalar(
-        select(Run).where(Run.id == run_id).with_for_update(read=True).execution_options(populate_existing=True)
-    )
-    assert locked is not None
-    run = locked
-    lease = session.get_one(Lease, lease_id, populate_existing=True)
+def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
+    """Everything that can be refused before reading the payload; a retry of an accepted upload is returned as
+    it was (idempotent)."""
+    lease = get_lease(session, upload.lease_id)
+    if lease.island_id != upload.island_id:
+        raise Forbidden(f"lease {upload.lease_id} belongs to island {lease.island_id}, not island {upload.island_id}")
     prior = _prior_contribution(session, lease)
-    if prior is not None and prior.lease_id == lease_id:
+    if prior is not None and prior.lease_id == upload.lease_id:
+        return Submitted(prior, False, _path_index(session, lease))
+    if upload.tokens < 0:
+        raise Invalid(f"tokens must be >= 0, got {upload.tokens}")
+    if not math.isfinite(upload.train_loss):
+        raise Invalid(f"train loss must be finite, got {upload.train_loss}")
+    run = session.get_one(Run, lease.run_id)
+    _check_lease(run, lease, upload.round, prior)
+    return _Checked(
+        run_id=lease.run_id,
+        cfg=run_model_config(run),
+        layout=run_layout(run),
+        levels=_path_levels(session, lease),
+    )
+
+
+def _record(
+    session: Session,
+    blobs: BlobStore,
+    upload: Upload,
+    checked: _Checked,
+    prefixes: dict[int, str],
+    *,
+    now: datetime,
+    faults: FaultInjector,
+) -> Submitted:
+    """Under a shared lock on the run row: check the lease again, store the body, write the contribution, mark
+    the lease submitted and advance the path's data cursor; commit."""
+    run = session.scalar(
+        select(Run).where(Run.id == checked.run_id).with_for_update(read=True).execution_options(populate_existing=True)
+    )
+    assert run is not None  # runs are never deleted
+    lease = session.get_one(Lease, upload.lease_id, populate_existing=True)
+    prior = _prior_contribution(session, lease)
+    if prior is not None and prior.lease_id == upload.lease_id:
         session.rollback()
         return Submitted(prior, False, _path_index(session, lease))
-    _check_lease(run, lease, round_header, prior)
+    _check_lease(run, lease, upload.round, prior)
     contribution = Contribution(
         lease_id=lease.id,
         run_id=run.id,
         round=lease.round,
         path_id=lease.path_id,
-        tokens=tokens,
-        train_loss=train_loss,
-        status="accepted",
+        tokens=upload.tokens,
+        train_loss=upload.train_loss,
+        status=ContributionStatus.ACCEPTED,
         created_at=now,
     )
     session.add(contribution)
@@ -110,24 +195,27 @@ def submit_outer_gradients(
         session.flush()
     except IntegrityError as exc:
         session.rollback()
-        raise Conflict(f"path of lease {lease_id} already has a contribution for round {lease.round}") from exc
-    blobs.put_file(body, body_sha256)
+        raise Conflict(f"path of lease {lease.id} already has a contribution for round {lease.round}") from exc
+    blobs.put_file(upload.body, upload.body_sha256)
     session.add_all(
         ContributionGrad(
-            contribution_id=contribution.id, module_id=levels[level_index][0], blob_hash=body_sha256, prefix=prefix
+            contribution_id=contribution.id,
+            module_id=checked.levels[level_index][0],
+            blob_hash=upload.body_sha256,
+            prefix=prefix,
         )
         for level_index, prefix in prefixes.items()
     )
-    lease.status = "submitted"
+    lease.status = LeaseStatus.SUBMITTED
     path_index = session.execute(
         update(Path)
         .where(Path.id == lease.path_id)
         .values(
             token_offset=lease.token_end - 1,  # the last target token is the next range's first input
             epoch=lease.epoch,
-            tokens_trained=Path.tokens_trained + tokens,
-            last_train_loss=train_loss,
-            last_island_id=island_id,
+            tokens_trained=Path.tokens_trained + upload.tokens,
+            last_train_loss=upload.train_loss,
+            last_island_id=upload.island_id,
         )
         .returning(Path.index),
         execution_options={"synchronize_session": False},
@@ -153,12 +241,12 @@ def _check_lease(run: Run, lease: Lease, round_header: int | None, prior: Contri
     contribution for the round yet (`prior`, from another lease)."""
     if round_header is not None and round_header != lease.round:
         raise Conflict(f"upload is for round {round_header}, lease {lease.id} was issued for round {lease.round}")
-    if run.status != "running" or run.current_round != lease.round:
+    if run.status != RunStatus.RUNNING or run.current_round != lease.round:
         raise Conflict(
             f"lease {lease.id} was issued for round {lease.round}, the run is at round {run.current_round}"
-            + (" and finished" if run.status == "finished" else "")
+            + (" and finished" if run.status == RunStatus.FINISHED else "")
         )
-    if lease.status == "released":
+    if lease.status == LeaseStatus.RELEASED:
         raise Conflict(f"lease {lease.id} was released; ask for a new lease")
     if prior is not None:
         raise Conflict(

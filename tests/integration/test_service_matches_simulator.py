@@ -1,6 +1,7 @@
 """The service equals the in-process reference simulator (modules.simulate) for the same seeds: two island
 processes train a tiny 2x2 DiPaCo over HTTP for 3 rounds; the per-round train loss of every path and the final
-weights of every module match the simulator's (issue 3: the service does what Algorithm 1 does)."""
+weights of every module match the simulator's (the service does what Algorithm 1 does), with the default outer
+optimizer and with a non-default one (token weighting, √n rescale, other lr and momentum)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.schemas import OuterSpec
 from modules import InnerConfig, ModelConfig, OuterConfig, decode, parse_layout
 from modules.simulate import simulate
 from tests.integration.conftest import Cluster, create_run, wait_finished, wait_islands_joined
@@ -33,12 +35,17 @@ def database_url(tmp_path: Any) -> str:
     return f"sqlite:///{tmp_path / 'registry.db'}"
 
 
-def test_service_equals_simulator(cluster: Cluster) -> None:
+@pytest.mark.parametrize(
+    "outer",
+    [{}, {"lr": 0.5, "momentum": 0.6, "weighting": "tokens", "sqrt_rescale": True}],
+    ids=["default-outer", "tokens-sqrt-outer"],
+)
+def test_service_equals_simulator(cluster: Cluster, outer: dict[str, Any]) -> None:
     cluster.start_coordinator()
     with cluster.admin() as client:
         islands = [cluster.start_island(f"island-{i}") for i in range(2)]
         wait_islands_joined(client, 2)
-        run_id = create_run(client, SPEC, num_tokens=600)
+        run_id = create_run(client, {**SPEC, "outer": outer}, num_tokens=600)
         run = wait_finished(cluster, client, run_id)
         paths = client.get("/v1/paths", params={"run_id": run_id}).json()["data"]
         tokens = [
@@ -57,6 +64,7 @@ def test_service_equals_simulator(cluster: Cluster) -> None:
         }
     assert all(proc.poll() in (None, 0) for proc in islands)  # an island that got no work waits for the next run
 
+    assert run["config"]["outer"] == {**OuterSpec().model_dump(), **outer}  # type: ignore[index]
     cfg = ModelConfig.from_dict(run["config"]["model"])  # type: ignore[index]
     ref = simulate(
         cfg,

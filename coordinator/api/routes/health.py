@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
 
 from coordinator.api.deps import SessionDep, SessionRoute, StateDep
+from coordinator.db import ping
 from coordinator.services.islands import count_active
 
 router = APIRouter(tags=["health"], route_class=SessionRoute)
@@ -14,7 +14,7 @@ router = APIRouter(tags=["health"], route_class=SessionRoute)
 
 @router.get("/healthz")
 def healthz(session: SessionDep) -> dict[str, str]:
-    session.execute(text("SELECT 1"))
+    ping(session)
     return {"status": "ok"}
 
 

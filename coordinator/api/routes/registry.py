@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Query, Request, Response
-from sqlalchemy import select
 
 from coordinator.api.deps import PrincipalDep, SessionDep, SessionRoute, StateDep
-from coordinator.errors import NotFound
-from coordinator.models import ModuleVersion
 from coordinator.schemas import H_CONTENT_HASH, ListOf, ModulePublic, PathPublic
 from coordinator.services import registry
 
@@ -42,17 +39,7 @@ def module_weights(
     version: int | None = Query(None, ge=0),
 ) -> Response:
     """The module's weights as safetensors; `ETag` is the content hash; `?version=` for history."""
-    module = registry.get_module(session, module_id)
-    digest = module.weights_hash
-    if version is not None and version != module.version:
-        digest_or_none = session.scalar(
-            select(ModuleVersion.weights_hash).where(
-                ModuleVersion.module_id == module_id, ModuleVersion.version == version
-            )
-        )
-        if digest_or_none is None:
-            raise NotFound(f"module {module_id} has no version {version}; current version is {module.version}")
-        digest = digest_or_none
+    digest = registry.module_weights_hash(session, module_id, version=version)
     etag = f'"{digest}"'
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"ETag": etag})

@@ -17,6 +17,7 @@ from coordinator.schemas import (
     ShardPublic,
 )
 from coordinator.services import registry, runs, shards
+from coordinator.states import RunStatus
 
 router = APIRouter(prefix="/v1", tags=["runs"], route_class=SessionRoute)
 
@@ -25,7 +26,7 @@ router = APIRouter(prefix="/v1", tags=["runs"], route_class=SessionRoute)
 def list_runs(
     session: SessionDep,
     _: PrincipalDep,
-    status: str | None = None,
+    status: RunStatus | None = None,
     offset: int = Query(0, ge=0),
     limit: int = Query(100, ge=1, le=1000),
 ) -> ListOf[RunPublic]:
@@ -89,6 +90,7 @@ async def register_shard(
                 body=body,
                 num_documents=num_documents,
                 now=state.clock(),
+                wakeups=state.wakeups,
             )
             return ShardPublic(
                 id=shard.id,
@@ -100,11 +102,9 @@ async def register_shard(
             )
 
     try:
-        registered = await run_in_threadpool(_register)
+        return await run_in_threadpool(_register)
     finally:
         body.unlink(missing_ok=True)
-    state.work.notify()  # the last shard starts the run: islands waiting for work may find some now
-    return registered
 
 
 @router.get("/shards/{shard_id}/tokens", responses={200: {"content": {"application/octet-stream": {}}}})

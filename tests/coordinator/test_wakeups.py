@@ -8,7 +8,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from coordinator.auth import IslandTokenCache
-from coordinator.work import WorkSignal
+from coordinator.wakeups import WorkSignal
 
 
 def test_a_notification_from_another_thread_wakes_waiters_and_is_not_lost_between_ticket_and_wait() -> None:

@@ -1,0 +1,75 @@
+"""Offers made by this process's round applies, held with their lease views until their islands ask.
+
+When a round opens, every island asks at once. The apply builds each offer's lease view as it makes the offer,
+and the take-ups of a burst share one UPDATE per batch (`services.leases.take_up_offers`), so N islands waking
+together cost a few statements instead of N transactions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterable
+from datetime import datetime
+
+from starlette.concurrency import run_in_threadpool
+
+from coordinator.schemas import LeasePublic
+from coordinator.services.leases import ReadyOffer
+from coordinator.timeutil import as_utc
+
+
+class OfferBook:
+    """Offers made by this process's round applies, with their lease views, until their islands ask.
+
+    Take-ups are grouped: while one batch's UPDATE runs on a worker thread, requests arriving meanwhile queue for
+    the next one. An offer this book does not hold (another worker made it, or this process restarted) is taken
+    up from the database (`leases.take_offer`), as is one the batch could not take.
+    """
+
+    def __init__(self) -> None:
+        self._ready: dict[int, ReadyOffer] = {}
+        self._lock = threading.Lock()
+        self._queue: list[tuple[ReadyOffer, asyncio.Future[LeasePublic | None]]] = []
+        self._drain: asyncio.Task[None] | None = None
+
+    def put(self, offers: Iterable[ReadyOffer], *, now: datetime) -> None:
+        """Hold committed offers (any thread); offers that ran out are dropped on the way."""
+        with self._lock:
+            self._ready = {i: o for i, o in self._ready.items() if as_utc(o.lease.expires_at) >= now}
+            self._ready.update((offer.island_id, offer) for offer in offers)
+
+    def pop(self, island_id: int, *, now: datetime) -> ReadyOffer | None:
+        with self._lock:
+            offer = self._ready.pop(island_id, None)
+        return offer if offer is not None and as_utc(offer.lease.expires_at) >= now else None
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    async def take_up(
+        self, offer: ReadyOffer, take: Callable[[list[ReadyOffer]], list[LeasePublic | None]]
+    ) -> LeasePublic | None:
+        """The offer as an active lease, or None when it could not be taken; `take` runs one batch (a thread)."""
+        future: asyncio.Future[LeasePublic | None] = asyncio.get_running_loop().create_future()
+        self._queue.append((offer, future))
+        if self._drain is None:
+            self._drain = asyncio.create_task(self._run(take))
+        return await future
+
+    async def _run(self, take: Callable[[list[ReadyOffer]], list[LeasePublic | None]]) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                try:
+                    results = await run_in_threadpool(take, [offer for offer, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - every waiter gets the error
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for (_, future), result in zip(batch, results, strict=True):
+                    if not future.done():
+                        future.set_result(result)
+        finally:
+            self._drain = None
