@@ -52,16 +52,13 @@ def generate(work: Path, mb: int) -> tuple[Path, int, int]:
 
 
 def shard_child(corpus: str, out: str, paths: int, levels: str | None, fit_sample: int) -> None:
-    from router.shards import shard_corpus
+    from router.shards import ShardOptions, shard_corpus
 
-    t0 = time.perf_counter()
-    manifest = shard_corpus(
-        Path(corpus),
-        Path(out),
-        num_paths=paths,
-        fit_sample=fit_sample,
-        levels=[int(x) for x in levels.split(",")] if levels else None,
+    options = ShardOptions(
+        num_paths=paths, fit_sample=fit_sample, levels=[int(x) for x in levels.split(",")] if levels else None
     )
+    t0 = time.perf_counter()
+    manifest = shard_corpus(Path(corpus), Path(out), options)
     seconds = time.perf_counter() - t0
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     print(

@@ -2,8 +2,9 @@
 
 Nearest-centroid routing can give one path most of the data. Instead of a constrained assignment that the
 router could not reproduce on new documents, we learn one additive offset (bias) per path: a document goes to
-`argmin_p (|x - c_p|^2 + bias_p)`. The same rule routes training documents, held-out documents and islands'
-data, so evaluation sees exactly the routing the shards were cut with.
+`argmin_p (s_p + bias_p)`, where `s_p` is its routing score for path p (`Router.scores`: the squared distance to
+centroid p up to a per-document constant, or minus a linear head's logit). The same rule routes training
+documents, held-out documents and islands' data, so evaluation sees exactly the routing the shards were cut with.
 
 The offsets are found by a deterministic auction: while a path holds more than `max_share` x its fair share of
 tokens, raise its bias just enough to push out its cheapest-to-move documents (those whose second choice is
@@ -25,11 +26,6 @@ _EPS = 1e-9
 
 class BalanceError(ValueError):
     """The share bounds cannot be met."""
-
-
-def scores(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:
-    """(N, K) squared distance to each centroid, minus |x|^2 (the same for every centroid of a row)."""
-    return (centroids * centroids).sum(axis=1)[None, :] - 2.0 * (x @ centroids.T)
 
 
 def token_shares(labels: np.ndarray, sizes: np.ndarray, num_paths: int) -> np.ndarray:
@@ -70,8 +66,10 @@ def fit_bias(
         fair = target * sizes.sum()
     lo, hi = min_share * fair, max_share * fair
     if n and sizes.max() > hi.max():
-        raise BalanceError(f"a document of {int(sizes.max())} tokens exceeds the cap of {hi.max():.0f} tokens per "
-                           f"path ({max_share} x the fair share {fair.max():.0f}); raise max_share")
+        raise BalanceError(
+            f"a document of {int(sizes.max())} tokens exceeds the cap of {hi.max():.0f} tokens per "
+            f"path ({max_share} x the fair share {fair.max():.0f}); raise max_share"
+        )
     if int((lo > 0).sum()) > n:
         raise BalanceError(f"{n} documents cannot give each of {k} paths at least {min_share} of its share")
     bias = np.zeros(k, dtype=np.float64)
@@ -128,8 +126,12 @@ def fit_bias(
     shares = token_shares(labels, sizes, k)
     _, group, inverse = np.unique(np.round(s, 9), axis=0, return_index=True, return_inverse=True)
     largest = np.bincount(inverse.reshape(-1), weights=sizes).max() / fair.max()
-    why = (f"; documents with one identical prefix hold {largest:.2f} x the fair share and must share a path"
-           if largest > max_share else "")
-    raise BalanceError(f"could not balance {k} paths within [{min_share}, {max_share}] of the fair share; "
-                       f"best shares {np.round(shares, 3).tolist()}{why}")
-
+    why = (
+        f"; documents with one identical prefix hold {largest:.2f} x the fair share and must share a path"
+        if largest > max_share
+        else ""
+    )
+    raise BalanceError(
+        f"could not balance {k} paths within [{min_share}, {max_share}] of the fair share; "
+        f"best shares {np.round(shares, 3).tolist()}{why}"
+    )

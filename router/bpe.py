@@ -1,9 +1,9 @@
 """Byte-level BPE tokenizer trained offline on the train split with the `tokenizers` library.
 
 `train_bpe` learns the merges from a stream of texts (nothing is downloaded); the result is saved as
-`tokenizer.json` next to the shards (`shard_corpus(..., tokenizer="bpe")`) so islands and evaluation use the
-same one. Byte-level: every text is representable (the 256 byte symbols are always in the vocabulary), and
-`decode(encode(text)) == text` for any valid `str`.
+`tokenizer.json` next to the shards (`ShardOptions(tokenizer="bpe")`) so evaluation encodes with the same
+one (islands only see token ids). Byte-level: every text is representable (the 256 byte symbols are always in
+the vocabulary), and `decode(encode(text)) == text` for any valid `str`.
 
 EOS: the special token `<|endoftext|>` is trained first, so its id is always 0 (`BPETokenizer.EOS`); it is
 appended after every document in the shard files, exactly like `ByteTokenizer.EOS` (256) for byte shards, and
@@ -43,8 +43,9 @@ class BPETokenizer:
 
         assert isinstance(tokenizer, Tokenizer)
         if tokenizer.token_to_id(EOS_TOKEN) != self.EOS:
-            raise BPEError(f"the tokenizer's {EOS_TOKEN} has id {tokenizer.token_to_id(EOS_TOKEN)}, expected "
-                           f"{self.EOS}")
+            raise BPEError(
+                f"the tokenizer's {EOS_TOKEN} has id {tokenizer.token_to_id(EOS_TOKEN)}, expected {self.EOS}"
+            )
         if tokenizer.get_vocab_size() > MAX_VOCAB_SIZE:
             raise BPEError(f"vocabulary of {tokenizer.get_vocab_size()} does not fit uint16 token files")
         tokenizer.encode_special_tokens = True  # `<|endoftext|>` inside a text is text, never EOS
@@ -95,8 +96,13 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, min_frequency: int = 2) 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                  special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        show_progress=False,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
 
     def batches() -> Iterator[list[str]]:
         batch: list[str] = []

@@ -65,13 +65,13 @@ def default_sources() -> list[DomainSource]:
             name="python",
             root=Path(sysconfig.get_paths()["stdlib"]),
             patterns=("**/*.py",),
-            exclude_dirs=frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
-                                    "__pycache__"}),
+            exclude_dirs=frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}),
         ),
         DomainSource(name="c_headers", root=Path("/usr/include"), patterns=("**/*.h",)),
         # man[1-8] directly under /usr/share/man: translations (/usr/share/man/<locale>/) are skipped.
-        DomainSource(name="manpages", root=share / "man", patterns=("man[1-8]/*.gz",), compressed=True,
-                     clean=troff_to_text),
+        DomainSource(
+            name="manpages", root=share / "man", patterns=("man[1-8]/*.gz",), compressed=True, clean=troff_to_text
+        ),
         DomainSource(name="licenses", root=share, patterns=("common-licenses/*", "doc/*/copyright")),
         DomainSource(name="changelogs", root=share / "doc", patterns=("*/changelog*.gz",), compressed=True),
     ]
@@ -228,63 +228,107 @@ def build_local_corpus(
     if len(set(names)) != len(names):
         raise CorpusError(f"domain names must be unique, got {names}")
 
-    seen: set[str] = set()
-    split_docs: dict[str, list[dict[str, str]]] = {s: [] for s in SPLITS}
-    domains: dict[str, Any] = {}
-    missing: list[str] = []
+    collected = _collect(
+        sources,
+        max_docs=max_docs_per_domain,
+        max_doc_bytes=max_doc_bytes,
+        min_doc_bytes=min_doc_bytes,
+        heldout_fraction=heldout_fraction,
+    )
+    if len(collected.domains) < MIN_DOMAINS:
+        raise CorpusError(
+            f"only {len(collected.domains)} domain(s) with documents ({sorted(collected.domains)}); need at least "
+            f"{MIN_DOMAINS}. Missing: {collected.missing}"
+        )
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # complete-or-absent: no stale manifest over new data
+    splits = _write_splits(out_dir, collected.split_docs)
+    manifest: dict[str, Any] = {
+        "format": CORPUS_FORMAT,
+        "parameters": {
+            "max_docs_per_domain": max_docs_per_domain,
+            "max_doc_bytes": max_doc_bytes,
+            "min_doc_bytes": min_doc_bytes,
+            "heldout_fraction": heldout_fraction,
+        },
+        "splits": splits,
+        "domains": collected.domains,
+        "missing_domains": collected.missing,
+    }
+    _write_atomic(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+    return manifest
+
+
+@dataclass(slots=True)
+class _Collected:
+    split_docs: dict[str, list[dict[str, str]]]
+    """The documents of each split, domain after domain in source order."""
+    domains: dict[str, Any]
+    """The manifest entry of each domain that has documents."""
+    missing: list[str]
+    """Domains with no usable file."""
+
+
+def _collect(
+    sources: list[DomainSource], *, max_docs: int, max_doc_bytes: int, min_doc_bytes: int, heldout_fraction: float
+) -> _Collected:
+    """Read every domain in order (one with no usable file is skipped with a warning) and split its documents
+    between train and held-out by a stable hash of their id."""
+    seen: set[str] = set()  # sha256 of every document kept so far, across domains
+    collected = _Collected(split_docs={s: [] for s in SPLITS}, domains={}, missing=[])
     for source in sources:
         docs, stats = _read_domain(
-            source, max_docs=max_docs_per_domain, max_doc_bytes=max_doc_bytes,
-            min_doc_bytes=min_doc_bytes, seen=seen,
+            source, max_docs=max_docs, max_doc_bytes=max_doc_bytes, min_doc_bytes=min_doc_bytes, seen=seen
         )
         if not docs:
-            log.warning("corpus: domain %s has no usable files under %s (%d candidates); skipped",
-                        source.name, source.root, stats.candidates)
-            missing.append(source.name)
+            log.warning(
+                "corpus: domain %s has no usable files under %s (%d candidates); skipped",
+                source.name,
+                source.root,
+                stats.candidates,
+            )
+            collected.missing.append(source.name)
             continue
         entry: dict[str, Any] = {
-            "root": str(source.root), "candidates": stats.candidates, "visited": stats.visited,
-            "skipped": dict(sorted(stats.skipped.items())), "utf8_replacements": stats.replacements,
+            "root": str(source.root),
+            "candidates": stats.candidates,
+            "visited": stats.visited,
+            "skipped": dict(sorted(stats.skipped.items())),
+            "utf8_replacements": stats.replacements,
         }
         for split in SPLITS:
             entry[split] = {"documents": 0, "bytes": 0}
         for doc in docs:
             split = "heldout" if stable_fraction(f"split/{doc['id']}") < heldout_fraction else "train"
-            split_docs[split].append(doc)
+            collected.split_docs[split].append(doc)
             entry[split]["documents"] += 1
             entry[split]["bytes"] += len(doc["text"].encode("utf-8"))
-        domains[source.name] = entry
-        log.info("corpus: %s: %d train + %d held-out documents, skipped %s", source.name,
-                 entry["train"]["documents"], entry["heldout"]["documents"], entry["skipped"] or "none")
-    if len(domains) < MIN_DOMAINS:
-        raise CorpusError(
-            f"only {len(domains)} domain(s) with documents ({sorted(domains)}); need at least {MIN_DOMAINS}. "
-            f"Missing: {missing}"
+        collected.domains[source.name] = entry
+        log.info(
+            "corpus: %s: %d train + %d held-out documents, skipped %s",
+            source.name,
+            entry["train"]["documents"],
+            entry["heldout"]["documents"],
+            entry["skipped"] or "none",
         )
+    return collected
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # complete-or-absent: no stale manifest over new data
+
+def _write_splits(out_dir: Path, split_docs: dict[str, list[dict[str, str]]]) -> dict[str, Any]:
+    """Write each split's JSON-lines file (write then rename); returns their manifest entries."""
     splits: dict[str, Any] = {}
     for split, filename in (("train", TRAIN_FILE), ("heldout", HELDOUT_FILE)):
         docs = split_docs[split]
         data = _jsonl_bytes(docs)
         _write_atomic(out_dir / filename, data)
         splits[split] = {
-            "file": filename, "sha256": hashlib.sha256(data).hexdigest(), "documents": len(docs),
+            "file": filename,
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "documents": len(docs),
             "bytes": sum(len(d["text"].encode("utf-8")) for d in docs),
         }
-    manifest: dict[str, Any] = {
-        "format": CORPUS_FORMAT,
-        "parameters": {
-            "max_docs_per_domain": max_docs_per_domain, "max_doc_bytes": max_doc_bytes,
-            "min_doc_bytes": min_doc_bytes, "heldout_fraction": heldout_fraction,
-        },
-        "splits": splits,
-        "domains": domains,
-        "missing_domains": missing,
-    }
-    _write_atomic(out_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
-    return manifest
+    return splits
 
 
 def iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:

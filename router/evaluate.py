@@ -118,13 +118,24 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "loss": self.loss, "perplexity": self.perplexity, "num_tokens": self.num_tokens,
-            "num_documents": self.num_documents, "skipped_documents": self.skipped_documents,
-            "routing_histogram": list(self.routing_histogram), "prefix_tokens": self.prefix_tokens,
-            "context": self.context, "stride": self.stride, "every": self.every,
+            "loss": self.loss,
+            "perplexity": self.perplexity,
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+            "skipped_documents": self.skipped_documents,
+            "routing_histogram": list(self.routing_histogram),
+            "prefix_tokens": self.prefix_tokens,
+            "context": self.context,
+            "stride": self.stride,
+            "every": self.every,
             "per_path": [
-                {"path_index": p.path_index, "num_documents": p.num_documents, "num_tokens": p.num_tokens,
-                 "loss": p.loss, "perplexity": p.perplexity}
+                {
+                    "path_index": p.path_index,
+                    "num_documents": p.num_documents,
+                    "num_tokens": p.num_tokens,
+                    "loss": p.loss,
+                    "perplexity": p.perplexity,
+                }
                 for p in self.per_path
             ],
             **self.extra,
@@ -156,8 +167,13 @@ def _windows(length: int, *, prefix: int, context: int, stride: int, doc: int) -
 
 
 def _segment_paths(
-    seqs: list[np.ndarray], doc_route: np.ndarray, *, router: RouterLike, tokenizer: TokenizerLike,
-    prefix: int, every: int | None,
+    seqs: list[np.ndarray],
+    doc_route: np.ndarray,
+    *,
+    router: RouterLike,
+    tokenizer: TokenizerLike,
+    prefix: int,
+    every: int | None,
 ) -> list[np.ndarray]:
     """Path of every target position of every document (entries before `prefix` are unused, set to -1)."""
     out: list[np.ndarray] = []
@@ -179,8 +195,7 @@ def _segment_paths(
     seg_route: dict[tuple[int, int], int] = {o: int(r) for o, r in zip(owners, routes, strict=True)}
     for d, seq in enumerate(seqs):
         seg = np.arange(len(seq)) // every
-        paths = np.array([int(doc_route[d]) if k == 0 else seg_route.get((d, int(k)), -1) for k in seg],
-                         dtype=np.int64)
+        paths = np.array([int(doc_route[d]) if k == 0 else seg_route.get((d, int(k)), -1) for k in seg], dtype=np.int64)
         paths[:prefix] = -1
         out.append(paths)
     return out
@@ -200,6 +215,57 @@ def evaluate_routed(
     device: str | torch.device = "cpu",
 ) -> EvalResult:
     """Route each document by its prefix, score the tokens after it with its path; see the module doc."""
+    stride = _check_routed_args(
+        router, prefix_tokens=prefix_tokens, context=context, stride=stride, every=every, batch_size=batch_size
+    )
+    num_paths = router.num_paths
+    if isinstance(paths, Sequence) and len(paths) != num_paths:
+        raise ValueError(f"got {len(paths)} path models for a router with {num_paths} paths")
+    tok: TokenizerLike = tokenizer if tokenizer is not None else ByteTokenizer()
+
+    seqs, doc_route = _route_documents(documents, router, tok, prefix_tokens=prefix_tokens)
+    target_paths = _segment_paths(seqs, doc_route, router=router, tokenizer=tok, prefix=prefix_tokens, every=every)
+    windows = [
+        w
+        for d, s in enumerate(seqs)
+        for w in _windows(len(s), prefix=prefix_tokens, context=context, stride=stride, doc=d)
+    ]
+    inputs, targets = _window_tokens(seqs, windows, context=context)
+    owner = _window_owners(windows, target_paths, context=context)
+    nll, count = _score_owned(paths, inputs, targets, owner, num_paths=num_paths, batch_size=batch_size, device=device)
+
+    histogram = np.bincount(doc_route, minlength=num_paths).astype(int).tolist() if seqs else [0] * num_paths
+    total_tokens = int(count.sum())
+    loss = float(nll.sum() / total_tokens) if total_tokens else math.nan
+    per_path = [
+        PathEval(
+            path_index=p,
+            num_documents=histogram[p],
+            num_tokens=int(count[p]),
+            loss=float(nll[p] / count[p]) if count[p] else None,
+            perplexity=math.exp(nll[p] / count[p]) if count[p] else None,
+        )
+        for p in range(num_paths)
+    ]
+    return EvalResult(
+        loss=loss,
+        perplexity=math.exp(loss) if total_tokens else math.nan,
+        num_tokens=total_tokens,
+        num_documents=len(seqs),
+        skipped_documents=len(documents) - len(seqs),
+        per_path=per_path,
+        routing_histogram=histogram,
+        prefix_tokens=prefix_tokens,
+        context=context,
+        stride=stride,
+        every=every,
+    )
+
+
+def _check_routed_args(
+    router: RouterLike, *, prefix_tokens: int, context: int, stride: int | None, every: int | None, batch_size: int
+) -> int:
+    """Refuse arguments that would score the wrong tokens; returns the stride (default: `context`)."""
     if prefix_tokens < 1:
         raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
     if router.prefix_tokens > prefix_tokens:
@@ -216,46 +282,64 @@ def evaluate_routed(
         raise ValueError(f"every must be >= 1, got {every}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    num_paths = router.num_paths
-    if isinstance(paths, Sequence) and len(paths) != num_paths:
-        raise ValueError(f"got {len(paths)} path models for a router with {num_paths} paths")
-    tok: TokenizerLike = tokenizer if tokenizer is not None else ByteTokenizer()
+    return stride
 
+
+def _route_documents(
+    documents: list[str], router: RouterLike, tok: TokenizerLike, *, prefix_tokens: int
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The int64 sequences `tokens + [EOS]` of the documents with at least one target (longer than the prefix),
+    in order, and the path each is routed to by its prefix."""
     all_seqs = [tok.encode_array(text, eos=True).astype(np.int64) for text in documents]
     keep = [i for i, s in enumerate(all_seqs) if len(s) > prefix_tokens]
     seqs = [all_seqs[i] for i in keep]
     doc_route = router.route([documents[i] for i in keep]) if keep else np.zeros(0, dtype=np.int64)
-    if doc_route.size and not (0 <= doc_route.min() and doc_route.max() < num_paths):
-        raise ValueError(f"router returned paths outside [0, {num_paths})")
-    target_paths = _segment_paths(seqs, doc_route, router=router, tokenizer=tok, prefix=prefix_tokens,
-                                  every=every)
+    if doc_route.size and not (0 <= doc_route.min() and doc_route.max() < router.num_paths):
+        raise ValueError(f"router returned paths outside [0, {router.num_paths})")
+    return seqs, doc_route
 
-    windows = [w for d, s in enumerate(seqs)
-               for w in _windows(len(s), prefix=prefix_tokens, context=context, stride=stride, doc=d)]
-    # Dense (num_windows, context) arrays: inputs, targets, and the path of each scored target (-1: not scored).
-    n = len(windows)
-    inputs = np.zeros((n, context), dtype=np.int64)
-    targets = np.zeros((n, context), dtype=np.int64)
-    owner = np.full((n, context), -1, dtype=np.int64)
+
+def _window_tokens(seqs: list[np.ndarray], windows: list[_Window], *, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """(num_windows, context) int64 inputs and targets (the next token of each input), right-padded with 0."""
+    inputs = np.zeros((len(windows), context), dtype=np.int64)
+    targets = np.zeros((len(windows), context), dtype=np.int64)
     for i, w in enumerate(windows):
         seq, width = seqs[w.doc], w.end - w.start
         inputs[i, :width] = seq[w.start : w.end]
         targets[i, :width] = seq[w.start + 1 : w.end + 1]
-        first = w.score_from - (w.start + 1)  # column of the first scored target
-        owner[i, first:width] = target_paths[w.doc][w.score_from : w.end + 1]
+    return inputs, targets
 
+
+def _window_owners(windows: list[_Window], target_paths: list[np.ndarray], *, context: int) -> np.ndarray:
+    """(num_windows, context) path that scores each target of each window; -1 where nothing is scored."""
+    owner = np.full((len(windows), context), -1, dtype=np.int64)
+    for i, w in enumerate(windows):
+        first = w.score_from - (w.start + 1)  # column of the first scored target
+        owner[i, first : w.end - w.start] = target_paths[w.doc][w.score_from : w.end + 1]
+    return owner
+
+
+def _score_owned(
+    paths: PathSource,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    owner: np.ndarray,
+    *,
+    num_paths: int,
+    batch_size: int,
+    device: str | torch.device,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Summed NLL (float64) and number of scored targets per path: each path runs over the windows holding at
+    least one of its targets and scores those targets only. Paths are built (when `paths` is a function) and
+    run one at a time, and a path that owns no target is never built."""
     nll = np.zeros(num_paths, dtype=np.float64)
     count = np.zeros(num_paths, dtype=np.int64)
-    models: dict[int, nn.Module] = {}
     with torch.no_grad():
         for p in range(num_paths):
             rows = np.flatnonzero((owner == p).any(axis=1))
             if rows.size == 0:
                 continue
-            if p not in models:
-                model = paths[p] if isinstance(paths, Sequence) else paths(p)
-                models[p] = model.to(device).eval()
-            model = models[p]
+            model = (paths[p] if isinstance(paths, Sequence) else paths(p)).to(device).eval()
             for b in range(0, rows.size, batch_size):
                 idx = rows[b : b + batch_size]
                 mask = torch.from_numpy(owner[idx] == p).to(device)
@@ -265,22 +349,8 @@ def evaluate_routed(
                 losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), reduction="none")
                 nll[p] += float(losses.view_as(y)[mask].double().sum())
                 count[p] += int(mask.sum())
-            models.pop(p)  # one path in memory at a time
-
-    histogram = np.bincount(doc_route, minlength=num_paths).astype(int).tolist() if keep else [0] * num_paths
-    total_tokens = int(count.sum())
-    loss = float(nll.sum() / total_tokens) if total_tokens else math.nan
-    per_path = [
-        PathEval(path_index=p, num_documents=histogram[p], num_tokens=int(count[p]),
-                 loss=float(nll[p] / count[p]) if count[p] else None,
-                 perplexity=math.exp(nll[p] / count[p]) if count[p] else None)
-        for p in range(num_paths)
-    ]
-    return EvalResult(
-        loss=loss, perplexity=math.exp(loss) if total_tokens else math.nan, num_tokens=total_tokens,
-        num_documents=len(keep), skipped_documents=len(documents) - len(keep), per_path=per_path,
-        routing_histogram=histogram, prefix_tokens=prefix_tokens, context=context, stride=stride, every=every,
-    )
+            del model  # one path in memory at a time
+    return nll, count
 
 
 def evaluate_dense(
@@ -295,9 +365,17 @@ def evaluate_dense(
     device: str | torch.device = "cpu",
 ) -> EvalResult:
     """A dense baseline on exactly the tokens `evaluate_routed` scores: every document to the one model."""
-    return evaluate_routed([model], SinglePathRouter(prefix_tokens=prefix_tokens), documents,
-                           prefix_tokens=prefix_tokens, context=context, stride=stride, batch_size=batch_size,
-                           tokenizer=tokenizer, device=device)
+    return evaluate_routed(
+        [model],
+        SinglePathRouter(prefix_tokens=prefix_tokens),
+        documents,
+        prefix_tokens=prefix_tokens,
+        context=context,
+        stride=stride,
+        batch_size=batch_size,
+        tokenizer=tokenizer,
+        device=device,
+    )
 
 
 def score_all_paths(
@@ -323,25 +401,26 @@ def score_all_paths(
     elif num_paths is None:
         raise ValueError("num_paths is required when paths is a function")
     if prefix_tokens < 1 or context < 1 or batch_size < 1:
-        raise ValueError(f"prefix_tokens, context and batch_size must be >= 1, got {prefix_tokens}, {context}, "
-                         f"{batch_size}")
+        raise ValueError(
+            f"prefix_tokens, context and batch_size must be >= 1, got {prefix_tokens}, {context}, {batch_size}"
+        )
     stride = context if stride is None else stride
     if not 1 <= stride <= context:
         raise ValueError(f"stride must be in [1, context={context}], got {stride}")
     tok: TokenizerLike = tokenizer if tokenizer is not None else ByteTokenizer()
     seqs = [tok.encode_array(text, eos=True).astype(np.int64) for text in documents]
-    windows = [w for d, s in enumerate(seqs) if len(s) > prefix_tokens
-               for w in _windows(len(s), prefix=prefix_tokens, context=context, stride=stride, doc=d)]
+    windows = [
+        w
+        for d, s in enumerate(seqs)
+        if len(s) > prefix_tokens
+        for w in _windows(len(s), prefix=prefix_tokens, context=context, stride=stride, doc=d)
+    ]
     n = len(windows)
-    inputs = np.zeros((n, context), dtype=np.int64)
-    targets = np.zeros((n, context), dtype=np.int64)
+    inputs, targets = _window_tokens(seqs, windows, context=context)
     scored = np.zeros((n, context), dtype=bool)
     doc_of = np.array([w.doc for w in windows], dtype=np.int64)
     for i, w in enumerate(windows):
-        seq, width = seqs[w.doc], w.end - w.start
-        inputs[i, :width] = seq[w.start : w.end]
-        targets[i, :width] = seq[w.start + 1 : w.end + 1]
-        scored[i, w.score_from - (w.start + 1) : width] = True
+        scored[i, w.score_from - (w.start + 1) : w.end - w.start] = True
     counts = np.bincount(doc_of, weights=scored.sum(axis=1), minlength=len(documents))
     out = np.full((len(documents), num_paths), np.nan, dtype=np.float64)
     with torch.no_grad():

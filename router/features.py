@@ -52,8 +52,13 @@ def prefixes(texts: list[str], prefix_tokens: int) -> list[str]:
 
 def _hasher(config: FeatureConfig) -> HashingVectorizer:
     return HashingVectorizer(
-        analyzer="char_wb", ngram_range=(config.ngram_min, config.ngram_max), n_features=config.n_features,
-        alternate_sign=False, norm=None, lowercase=False, dtype=np.float64,
+        analyzer="char_wb",
+        ngram_range=(config.ngram_min, config.ngram_max),
+        n_features=config.n_features,
+        alternate_sign=False,
+        norm=None,
+        lowercase=False,
+        dtype=np.float64,
     )
 
 

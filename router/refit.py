@@ -132,7 +132,8 @@ def refit_router(
     with threadpool_limits(limits=1):
         if present.size >= 2:
             model = LogisticRegression(C=c, max_iter=max_iter, random_state=seed).fit(
-                x_fit, y_fit, sample_weight=sample_weight)
+                x_fit, y_fit, sample_weight=sample_weight
+            )
             coef = np.asarray(model.coef_, dtype=np.float64)
             b = np.asarray(model.intercept_, dtype=np.float64)
             classes = np.asarray(model.classes_, dtype=np.int64)
@@ -157,8 +158,9 @@ def refit_router(
     return head
 
 
-def refit_report(path_losses: np.ndarray, prefixes: list[str], base: Router, new: Router,
-                 weights: np.ndarray | None = None) -> RefitReport:
+def refit_report(
+    path_losses: np.ndarray, prefixes: list[str], base: Router, new: Router, weights: np.ndarray | None = None
+) -> RefitReport:
     """Compare two routers on scored documents: path changes and routed loss (weighted by `weights`)."""
     losses = np.asarray(path_losses, dtype=np.float64)
     labels = best_paths(losses)
@@ -169,10 +171,12 @@ def refit_report(path_losses: np.ndarray, prefixes: list[str], base: Router, new
     w = None if weights is None else np.asarray(weights, dtype=np.float64)[keep]
     k = base.num_paths
     return RefitReport(
-        documents=int(keep.size), changed=int((old_r != new_r).sum()),
+        documents=int(keep.size),
+        changed=int((old_r != new_r).sum()),
         label_histogram=np.bincount(labels[keep], minlength=k).astype(int).tolist(),
         base_histogram=np.bincount(old_r, minlength=k).astype(int).tolist(),
         new_histogram=np.bincount(new_r, minlength=k).astype(int).tolist(),
-        base_loss=routed_loss(sub, old_r, w), new_loss=routed_loss(sub, new_r, w),
+        base_loss=routed_loss(sub, old_r, w),
+        new_loss=routed_loss(sub, new_r, w),
         oracle_loss=routed_loss(sub, labels[keep], w),
     )

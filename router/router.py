@@ -21,7 +21,7 @@ router is saved with format 2 (format-1 readers refuse it instead of silently ro
 Empty clusters: after k-means, every training document is routed with the same code `route` uses; if a path
 gets no document its centroid is moved onto the training document farthest from its own centroid (taken from
 a path that has at least two), and routing is repeated. If that cannot give every path a document (fewer
-distinct prefixes than paths), `fit_router` raises `ValueError`.
+distinct prefixes than paths), `fit_router` raises `RouterError`.
 """
 
 from __future__ import annotations
@@ -117,19 +117,28 @@ class Router:
         if self.bias is not None:
             arrays["bias"] = self.bias
         if self.head_weight is not None:
-            if self.head_intercept is None or self.head_weight.shape != (self.num_paths, self.centroids.shape[1]) \
-                    or self.head_intercept.shape != (self.num_paths,):
-                raise RouterError(f"linear head {self.head_weight.shape} / intercept "
-                                  f"{None if self.head_intercept is None else self.head_intercept.shape} does "
-                                  f"not fit {self.num_paths} paths x {self.centroids.shape[1]} dims")
+            if (
+                self.head_intercept is None
+                or self.head_weight.shape != (self.num_paths, self.centroids.shape[1])
+                or self.head_intercept.shape != (self.num_paths,)
+            ):
+                raise RouterError(
+                    f"linear head {self.head_weight.shape} / intercept "
+                    f"{None if self.head_intercept is None else self.head_intercept.shape} does "
+                    f"not fit {self.num_paths} paths x {self.centroids.shape[1]} dims"
+                )
             arrays["head_weight"] = self.head_weight
             arrays["head_intercept"] = self.head_intercept
         save_file(arrays, str(tmp))
         os.replace(tmp, weights)
-        config: dict[str, Any] = {"format": HEAD_ROUTER_FORMAT if self.head_weight is not None else ROUTER_FORMAT,
-                  "num_paths": self.num_paths, "seed": self.seed,
-                  "features": self.features.to_dict(), "levels": list(self.levels) if self.levels else None,
-                  "balanced": self.bias is not None}
+        config: dict[str, Any] = {
+            "format": HEAD_ROUTER_FORMAT if self.head_weight is not None else ROUTER_FORMAT,
+            "num_paths": self.num_paths,
+            "seed": self.seed,
+            "features": self.features.to_dict(),
+            "levels": list(self.levels) if self.levels else None,
+            "balanced": self.bias is not None,
+        }
         if self.head_weight is not None:
             config["head"] = True  # absent for k-means routers: their router.json is unchanged
         if self.model is not None:
@@ -147,14 +156,20 @@ class Router:
         config: dict[str, Any] = json.loads(config_path.read_text())
         if config.get("format") not in (ROUTER_FORMAT, HEAD_ROUTER_FORMAT):
             raise RouterError(
-                f"{config_path}: router format {config.get('format')}, expected {ROUTER_FORMAT} or "
-                f"{HEAD_ROUTER_FORMAT}"
+                f"{config_path}: router format {config.get('format')}, expected {ROUTER_FORMAT} or {HEAD_ROUTER_FORMAT}"
             )
         arrays = load_file(str(weights_path))
-        router = cls(features=FeatureConfig(**config["features"]), seed=int(config["seed"]),
-                     idf=arrays["idf"], components=arrays["svd_components"], centroids=arrays["centroids"],
-                     bias=arrays.get("bias"), levels=tuple(config["levels"]) if config.get("levels") else None,
-                     head_weight=arrays.get("head_weight"), head_intercept=arrays.get("head_intercept"))
+        router = cls(
+            features=FeatureConfig(**config["features"]),
+            seed=int(config["seed"]),
+            idf=arrays["idf"],
+            components=arrays["svd_components"],
+            centroids=arrays["centroids"],
+            bias=arrays.get("bias"),
+            levels=tuple(config["levels"]) if config.get("levels") else None,
+            head_weight=arrays.get("head_weight"),
+            head_intercept=arrays.get("head_intercept"),
+        )
         if config.get("model_features"):
             router.model = ModelFeaturizer.load(directory)
         if bool(config.get("head")) != (router.head_weight is not None and router.head_intercept is not None):
@@ -254,8 +269,7 @@ def fit_router(
             levels = None
     if len(prefixes) < num_paths:
         raise RouterError(
-            f"cannot route {len(prefixes)} documents to {num_paths} paths: "
-            "need at least one document per path"
+            f"cannot route {len(prefixes)} documents to {num_paths} paths: need at least one document per path"
         )
     features = FeatureConfig(prefix_tokens=prefix_tokens, svd_dims=svd_dims)
     # One thread: OpenMP/BLAS reductions in k-means and SVD are otherwise summed in a thread-dependent order,
@@ -272,8 +286,17 @@ def fit_router(
             if x.shape[1] < len(levels):
                 raise RouterError(f"{x.shape[1]} feature dimensions cannot be split over {len(levels)} levels")
             blocks = level_blocks(x.shape[1], len(levels))
-            per_level = [_kmeans(x[:, b], k, seed=seed + i, n_init=n_init, what=f"clusters of level {i}")
-                         for i, (b, k) in enumerate(zip(blocks, levels, strict=True))]
+            per_level = [
+                _kmeans(x[:, b], k, seed=seed + i, n_init=n_init, what=f"clusters of level {i}")
+                for i, (b, k) in enumerate(zip(blocks, levels, strict=True))
+            ]
             centroids = product_centroids(per_level, blocks)
-    return Router(features=features, seed=seed, idf=idf, components=components, centroids=centroids,
-                  levels=tuple(levels) if levels else None, model=model)
+    return Router(
+        features=features,
+        seed=seed,
+        idf=idf,
+        components=components,
+        centroids=centroids,
+        levels=tuple(levels) if levels else None,
+        model=model,
+    )

@@ -1,13 +1,18 @@
 """Shards: the train split routed to one token file per path, plus the router and a manifest (written last).
 
 Each shard `path-{i:04d}.tokens` holds the byte tokens of its documents (in corpus order), each followed by EOS,
-as little-endian uint16. The output is byte-for-byte deterministic for the same corpus and parameters. The
+as little-endian uint16. The output is byte-for-byte deterministic for the same corpus and options. The
 manifest records the purity by domain (and that of a random assignment of the same sizes), the product k-means
 levels, and the balance: each shard's token share relative to the fair share, before and after balancing.
 
-Options (all off by default; off, the output is exactly the above): a held-out slice per shard for early
-stopping (`path-{i:04d}.heldout.tokens`), top-2 overlapping training shards (paper §2.4.4), and a byte-level BPE
-tokenizer trained on the train split (`router.bpe`, saved as `tokenizer.json`). See `shard_corpus`.
+Options (`ShardOptions`; all off by default and, off, the output is exactly the above): a held-out slice per
+shard for early stopping (`path-{i:04d}.heldout.tokens`), top-2 overlapping training shards (paper §2.4.4), and
+a byte-level BPE tokenizer trained on the train split (`router.bpe`, saved as `tokenizer.json`).
+
+`shard_corpus` runs one function per stage, in this order: train the tokenizer (BPE only), scan the train split
+(pass 1), fit the router (or take a given one), score every document, assign it (route, balance, top-2), hold
+out slices and check the sizes, then write the router, the tokenizer, the token files (pass 2) and the manifest.
+Every check comes before the first write.
 """
 
 from __future__ import annotations
@@ -20,35 +25,95 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from router.balance import BalanceError, fit_bias, token_shares
+from router.bpe import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, TOKENIZER_FILE, BPEError, BPETokenizer, train_bpe
 from router.corpus import MANIFEST_FILE, TRAIN_FILE, CorpusError, iter_jsonl
 from router.model_features import ModelFeaturizer
+from router.purity import purity, random_purity
 from router.router import Router, fit_router
 from router.tokenizer import TOKEN_DTYPE, ByteTokenizer
-
-if TYPE_CHECKING:
-    from router.bpe import BPETokenizer
 
 log = logging.getLogger(__name__)
 
 SHARDS_FORMAT = 1
 ROUTER_DIR = "router"
-TOKENIZER_JSON = "tokenizer.json"
-"""The BPE tokenizer saved with BPE shards (same name as `router.bpe.TOKENIZER_FILE`)."""
-RANDOM_PURITY_TRIALS = 20
-"""Random assignments averaged for the purity baseline."""
+TOKENIZERS = ("byte", "bpe")
+BPE_BATCH_DOCS = 256
+"""Documents per `encode_batch` call of the BPE tokenizer (bounded memory, parallel encoding)."""
 
 
 class ShardError(ValueError):
     """Shards cannot be written, or the files on disk do not match their manifest."""
 
 
-TOKENIZERS = ("byte", "bpe")
+@dataclass(kw_only=True, slots=True)
+class ShardOptions:
+    """How `shard_corpus` cuts the train split. Only `num_paths` is required; with every other field at its
+    default the output is the plain format of the module docstring."""
+
+    num_paths: int
+    """Paths, one training shard each (k-means clusters; with `levels`, their product)."""
+    prefix_tokens: int = 32
+    """Documents are routed by their first this-many bytes, whatever the shard tokenizer."""
+    seed: int = 0
+    """Seeds the fit sample, the SVD, k-means and the random-purity baseline."""
+    levels: list[int] | None = None
+    """Product k-means: clusters per routed level, e.g. [2, 2] (their product must be `num_paths`); None: one
+    k-means. Ignored with a given router, which keeps its own."""
+    fit_sample: int = 50_000
+    """The router is fitted on at most this many documents (a seeded random subset), which bounds the fit's
+    memory; every document is still balanced and written."""
+    batch_docs: int = 4096
+    """Documents featurized per batch when scoring (bounds memory; the output does not depend on it)."""
+    balance: bool = True
+    """Fit per-path offsets so every shard holds between `min_share` and `max_share` x its fair share of tokens
+    (`router.balance`); with a given router they are added to its own offsets."""
+    min_share: float = 0.5
+    """Least tokens per shard / fair share. Also what the manifest's `"satisfied"` is checked against."""
+    max_share: float = 2.0
+    """Most tokens per shard / fair share."""
+    strict_balance: bool = False
+    """When the bounds cannot be met (typically many documents share one prefix, so they must share a path):
+    raise `ShardError`. Off: use the closest balance found, log a warning, the manifest says `"satisfied": false`."""
+    min_tokens_per_shard: int = 0
+    """Raise `ShardError` when a training shard would hold fewer tokens (0: no floor)."""
+    heldout_docs_per_shard: int = 0
+    """N > 0: the last N documents (corpus order) routed to each path go to `path-XXXX.heldout.tokens` instead of
+    its training shard (early stopping). A path with N or fewer documents raises `ShardError`."""
+    overlap_top2: bool = False
+    """Paper §2.4.4, training only: every training document is also appended to the shard of its second-best path
+    (by the same biased scores that route it). Routing (router, balance, purity, held-out slices) stays top-1."""
+    tokenizer: str = "byte"
+    """"byte" (bytes + EOS 256), or "bpe": a byte-level BPE trained on the train split, saved as `tokenizer.json`
+    (EOS 0). Balancing counts the shard tokenizer's tokens; routing always reads bytes."""
+    vocab_size: int = 8192
+    """BPE vocabulary size (with `tokenizer="bpe"` only); at most 65535 so ids fit the uint16 shard files."""
+
+    def __post_init__(self) -> None:
+        if self.num_paths < 1:
+            raise ShardError(f"num_paths={self.num_paths} must be >= 1")
+        if self.prefix_tokens < 1:
+            raise ShardError(f"prefix_tokens={self.prefix_tokens} must be >= 1")
+        if self.fit_sample < 1 or self.batch_docs < 1:
+            raise ShardError(f"fit_sample={self.fit_sample} and batch_docs={self.batch_docs} must be >= 1")
+        if not 0.0 <= self.min_share <= 1.0 <= self.max_share:
+            raise ShardError(f"need 0 <= min_share <= 1 <= max_share, got {self.min_share} and {self.max_share}")
+        if self.min_tokens_per_shard < 0:
+            raise ShardError(f"min_tokens_per_shard={self.min_tokens_per_shard} must be >= 0")
+        if self.heldout_docs_per_shard < 0:
+            raise ShardError(f"heldout_docs_per_shard={self.heldout_docs_per_shard} must be >= 0")
+        if self.overlap_top2 and self.num_paths < 2:
+            raise ShardError(f"overlap_top2 needs at least 2 paths, got num_paths={self.num_paths}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ShardError(f"unknown tokenizer {self.tokenizer!r}; use one of {', '.join(TOKENIZERS)}")
+        if self.tokenizer == "bpe" and not MIN_VOCAB_SIZE <= self.vocab_size <= MAX_VOCAB_SIZE:
+            raise ShardError(f"vocab_size={self.vocab_size} must be in [{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}]")
 
 
 def shard_file_name(path_index: int) -> str:
@@ -59,47 +124,139 @@ def heldout_file_name(path_index: int) -> str:
     return f"path-{path_index:04d}.heldout.tokens"
 
 
-def _domain_codes(domains: list[str]) -> tuple[np.ndarray, int]:
-    _, codes = np.unique(np.asarray(domains, dtype=object).astype(str), return_inverse=True)
-    return codes.astype(np.int64), int(codes.max()) + 1 if len(codes) else 0
+def shard_corpus(
+    corpus_dir: Path,
+    out_dir: Path,
+    options: ShardOptions,
+    *,
+    router: Router | None = None,
+    featurizer: ModelFeaturizer | None = None,
+) -> dict[str, Any]:
+    """Fit the router on the train split, write one token file per path, the router and the manifest (last).
+
+    Streams the train split twice and never holds the texts: pass 1 keeps each document's prefix, token count
+    and domain (tens of bytes per document); pass 2 appends each document's tokens to its shard. See
+    `ShardOptions` for what each option changes.
+
+    `router`: shard with this router instead of fitting one (e.g. a refit router from `router.refit`); it must
+    have `num_paths` paths and read `prefix_tokens` tokens, and is not modified. With `balance`, an offset is
+    added to its own `bias` (nothing when its routing already meets the bounds on the train split); without,
+    it routes as it is. The router used is saved with the shards as always. `featurizer`: fit the router on a
+    path model's hidden states instead of hashed n-grams (`router.model_features`; ignored with `router`).
+    """
+    corpus_manifest = _corpus_manifest(corpus_dir)
+    train = corpus_dir / TRAIN_FILE
+    tok = _tokenizer(train, options)
+    scan = _scan(train, tok, prefix_tokens=options.prefix_tokens)
+    fitted = _fit(scan.prefix_texts, options, router=router, featurizer=featurizer)
+    scores = _score(fitted.router, scan.prefix_texts, batch_docs=options.batch_docs)
+    assignment = _assign(fitted, scores, scan.sizes, options)
+    del scores  # (N, K) floats that pass 2 does not need
+    split = _hold_out(assignment, scan.sizes, options)
+
+    # Every check has passed. Complete-or-absent: the old manifest goes first, the new one comes last.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
+    fitted.router.save(out_dir / ROUTER_DIR)
+    tokenizer_entry = _save_tokenizer(out_dir, tok)
+    written = _write_token_files(out_dir, train, tok, assignment, split, sizes=scan.sizes, options=options)
+    manifest = _manifest(
+        options,
+        corpus_manifest=corpus_manifest,
+        eos=int(tok.EOS),
+        tokenizer_entry=tokenizer_entry,
+        fitted=fitted,
+        scan=scan,
+        assignment=assignment,
+        split=split,
+        written=written,
+    )
+    _write_manifest(out_dir, manifest)
+    log.info(
+        "shards: %d paths, purity %.3f (random %.3f), token shares %s",
+        options.num_paths,
+        manifest["purity"],
+        manifest["purity_random"],
+        manifest["balance"]["token_shares"],
+    )
+    return manifest
 
 
-def _purity_codes(labels: np.ndarray, codes: np.ndarray, num_domains: int) -> float:
-    if len(codes) == 0:
-        return 0.0
-    table = np.zeros((int(labels.max()) + 1, num_domains), dtype=np.int64)
-    np.add.at(table, (labels, codes), 1)
-    return float(table.max(axis=1).sum() / len(codes))
+# ------------------------------------------------------------------------------------------------ the stages
 
 
-def purity(labels: np.ndarray, domains: list[str]) -> float:
-    """Fraction of documents whose domain is the majority domain of their shard."""
-    codes, num_domains = _domain_codes(domains)
-    return _purity_codes(np.asarray(labels, dtype=np.int64), codes, num_domains)
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    """What pass 1 keeps of every document (the texts themselves are not kept)."""
+
+    prefix_texts: list[str]
+    """The routing prefix: the first `prefix_tokens` bytes of the text, whatever the shard tokenizer."""
+    sizes: np.ndarray
+    """(N,) int64 shard tokens of each document, EOS included."""
+    domains: list[str]
 
 
-def random_purity(
-    labels: np.ndarray, domains: list[str], *, seed: int, trials: int = RANDOM_PURITY_TRIALS
-) -> float:
-    """Mean purity of random assignments with the same shard sizes (the labels, shuffled)."""
-    rng = np.random.default_rng(seed)
-    codes, num_domains = _domain_codes(domains)
-    labels = np.asarray(labels, dtype=np.int64)
-    return float(np.mean([_purity_codes(rng.permutation(labels), codes, num_domains) for _ in range(trials)]))
+@dataclass(frozen=True, slots=True)
+class _Fitted:
+    router: Router
+    """Fitted here, or a copy of the given router: `_assign` may set its `bias`."""
+    given: bool
+    fit_documents: int
+    """Documents the router was fitted on (0 for a given router)."""
+    levels: list[int] | None
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+@dataclass(frozen=True, slots=True)
+class _Assignment:
+    labels: np.ndarray
+    """(N,) path of each document (top-1, after balancing)."""
+    unbalanced: np.ndarray
+    """(N,) path of each document before balancing (a given router: with its own offsets)."""
+    second: np.ndarray | None
+    """(N,) second-best path of each document with `overlap_top2`, else None."""
+    shares: np.ndarray
+    """(K,) tokens routed to each path / fair share."""
+    satisfied: bool
+    """Every share is within [min_share, max_share]."""
 
 
-def _scan(train: Path, prefix_tokens: int, tok: ByteTokenizer | BPETokenizer) -> tuple[list[str], np.ndarray,
-                                                                                        list[str]]:
-    """Pass 1: the prefix text, token count (+ EOS) and domain of every document; texts are not kept. The
-    routing prefix is always the first `prefix_tokens` bytes of the text, whatever the shard tokenizer."""
+@dataclass(frozen=True, slots=True)
+class _Split:
+    heldout: np.ndarray
+    """(N,) bool: the document goes to its path's held-out slice instead of the training shards."""
+    num_tokens: np.ndarray
+    """(K,) int64 tokens in each training shard (second choices included)."""
+    num_documents: np.ndarray
+    """(K,) documents in each training shard (second choices included)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    files: list[str]
+    """Token file names: 0..K-1 the training shards, K..2K-1 the held-out slices (only when asked for)."""
+    sha256: list[str]
+    """Hex digest of each file of `files`."""
+
+
+def _corpus_manifest(corpus_dir: Path) -> Path:
+    path = corpus_dir / MANIFEST_FILE
+    if not path.is_file():
+        raise CorpusError(f"no corpus manifest at {path}; build the corpus first")
+    return path
+
+
+def _tokenizer(train: Path, options: ShardOptions) -> ByteTokenizer | BPETokenizer:
+    """The shard tokenizer; a BPE one is trained on the train split (an extra pass over it)."""
+    if options.tokenizer != "bpe":
+        return ByteTokenizer()
+    try:
+        return train_bpe((doc["text"] for doc in iter_jsonl(train)), vocab_size=options.vocab_size)
+    except BPEError as exc:
+        raise ShardError(str(exc)) from exc
+
+
+def _scan(train: Path, tok: ByteTokenizer | BPETokenizer, *, prefix_tokens: int) -> _Scan:
+    """Pass 1: the prefix text, token count (+ EOS) and domain of every document."""
     byte_tok = ByteTokenizer()
     prefix_texts: list[str] = []
     sizes: list[int] = []
@@ -108,15 +265,276 @@ def _scan(train: Path, prefix_tokens: int, tok: ByteTokenizer | BPETokenizer) ->
         prefix_texts.append(byte_tok.prefix_text(doc["text"], prefix_tokens))
         sizes.append(len(tokens))
         domains.append(str(doc.get("domain", "")))
-    return prefix_texts, np.asarray(sizes, dtype=np.int64), domains
+    return _Scan(prefix_texts=prefix_texts, sizes=np.asarray(sizes, dtype=np.int64), domains=domains)
 
 
-BPE_BATCH_DOCS = 256
-"""Documents per `encode_batch` call of the BPE tokenizer (bounded memory, parallel encoding)."""
+def _fit(
+    prefix_texts: list[str], options: ShardOptions, *, router: Router | None, featurizer: ModelFeaturizer | None
+) -> _Fitted:
+    """A copy of the given router (checked against the options), or one fitted on at most `fit_sample`
+    prefixes (a seeded random subset, in corpus order)."""
+    if router is not None:
+        if router.num_paths != options.num_paths or router.prefix_tokens != options.prefix_tokens:
+            raise ShardError(
+                f"the given router has {router.num_paths} paths and reads {router.prefix_tokens} tokens; "
+                f"asked for {options.num_paths} paths and {options.prefix_tokens} tokens"
+            )
+        levels = list(router.levels) if router.levels else None
+        return _Fitted(router=dataclasses.replace(router), given=True, fit_documents=0, levels=levels)
+    n = len(prefix_texts)
+    if n > options.fit_sample:
+        fit_idx = np.sort(np.random.default_rng(options.seed).choice(n, size=options.fit_sample, replace=False))
+        fit_texts = [prefix_texts[i] for i in fit_idx]
+    else:
+        fit_texts = prefix_texts
+    fitted = fit_router(
+        fit_texts,
+        num_paths=options.num_paths,
+        prefix_tokens=options.prefix_tokens,
+        seed=options.seed,
+        levels=options.levels,
+        model=featurizer,
+    )
+    return _Fitted(router=fitted, given=False, fit_documents=len(fit_texts), levels=options.levels)
 
 
-def _iter_tokens(train: Path, tok: ByteTokenizer | BPETokenizer, *, sizes_only: bool = False
-                 ) -> Iterator[tuple[dict[str, Any], np.ndarray | bytes]]:
+def _score(router: Router, prefix_texts: list[str], *, batch_docs: int) -> np.ndarray:
+    """(N, K) unbiased routing scores of every document, featurized in batches (bounded memory)."""
+    out = np.empty((len(prefix_texts), router.num_paths), dtype=np.float64)
+    for b in range(0, len(prefix_texts), batch_docs):
+        out[b : b + batch_docs] = router.scores(router.embed(prefix_texts[b : b + batch_docs]))
+    return out
+
+
+def _assign(fitted: _Fitted, scores: np.ndarray, sizes: np.ndarray, options: ShardOptions) -> _Assignment:
+    """Route every document: with `balance`, first set `fitted.router.bias` to offsets that keep every path's
+    tokens within the share bounds; then the top-1 path (and with `overlap_top2` the second-best) by the
+    biased scores, lowest index on ties."""
+    router, num_paths = fitted.router, options.num_paths
+    # A given router's own offsets are the starting point ("unbalanced" = routed as given); balancing adds to them.
+    start = router.bias if fitted.given and router.bias is not None else np.zeros(num_paths)
+    if options.balance:
+        try:
+            delta = fit_bias(
+                scores + start[None, :],
+                sizes,
+                min_share=options.min_share,
+                max_share=options.max_share,
+                strict=options.strict_balance,
+            )
+        except BalanceError as exc:
+            raise ShardError(f"balancing {len(sizes)} documents over {num_paths} paths: {exc}") from exc
+        router.bias = start + delta if fitted.given else delta
+    unbalanced = np.argmin(scores + start[None, :], axis=1)
+    biased = scores + (router.bias[None, :] if router.bias is not None else 0.0)  # a new array: ours to change
+    labels = np.argmin(biased, axis=1)
+    second: np.ndarray | None = None
+    if options.overlap_top2:
+        # Second-best path: the best one once the top-1 is ruled out (lowest index on ties, like argmin).
+        biased[np.arange(len(labels)), labels] = np.inf
+        second = np.argmin(biased, axis=1)
+
+    shares = token_shares(labels, sizes, num_paths)
+    satisfied = bool(((shares >= options.min_share - 1e-12) & (shares <= options.max_share + 1e-12)).all())
+    if options.balance and not satisfied:
+        log.warning(
+            "shards: token shares %s are outside [%s, %s] (the closest balance found); see the manifest",
+            np.round(shares, 3).tolist(),
+            options.min_share,
+            options.max_share,
+        )
+    return _Assignment(labels=labels, unbalanced=unbalanced, second=second, shares=shares, satisfied=satisfied)
+
+
+def _hold_out(assignment: _Assignment, sizes: np.ndarray, options: ShardOptions) -> _Split:
+    """Mark the held-out slice of every path and count what its training shard gets. Raises `ShardError` when a
+    path gets no document, too few to hold `heldout_docs_per_shard` out, or under `min_tokens_per_shard` tokens."""
+    labels, second, num_paths = assignment.labels, assignment.second, options.num_paths
+    routed_docs = np.bincount(labels, minlength=num_paths)
+    empty = np.flatnonzero(routed_docs == 0).tolist()
+    if empty:
+        raise ShardError(
+            f"paths {empty} get no document (product k-means combinations nobody falls in); "
+            "turn balancing on or use fewer paths"
+        )
+    held_out_per_path = options.heldout_docs_per_shard
+    heldout = np.zeros(len(labels), dtype=bool)
+    if held_out_per_path:
+        few = [(p, int(c)) for p, c in enumerate(routed_docs) if c <= held_out_per_path]
+        if few:
+            listed = ", ".join(f"path {p}: {c} documents" for p, c in few)
+            raise ShardError(
+                f"cannot hold out {held_out_per_path} documents per shard and keep some for training: {listed}"
+            )
+        for p in range(num_paths):
+            heldout[np.flatnonzero(labels == p)[-held_out_per_path:]] = True
+
+    trained = ~heldout
+    num_tokens = np.bincount(labels[trained], weights=sizes[trained], minlength=num_paths).astype(np.int64)
+    num_documents = np.bincount(labels[trained], minlength=num_paths)
+    if second is not None:
+        num_tokens += np.bincount(second[trained], weights=sizes[trained], minlength=num_paths).astype(np.int64)
+        num_documents += np.bincount(second[trained], minlength=num_paths)
+    too_small = [(p, int(t)) for p, t in enumerate(num_tokens) if t < options.min_tokens_per_shard]
+    if too_small:
+        listed = ", ".join(f"path {p}: {t} tokens" for p, t in too_small)
+        raise ShardError(f"shards below min_tokens_per_shard={options.min_tokens_per_shard}: {listed}")
+    return _Split(heldout=heldout, num_tokens=num_tokens, num_documents=num_documents)
+
+
+def _save_tokenizer(out_dir: Path, tok: ByteTokenizer | BPETokenizer) -> dict[str, Any] | None:
+    """Save a BPE tokenizer next to the shards (write then rename); its manifest entry, None for byte tokens."""
+    if isinstance(tok, ByteTokenizer):
+        return None
+    tmp = out_dir / f".{TOKENIZER_FILE}.tmp-{os.getpid()}"
+    tok.save(tmp)
+    os.replace(tmp, out_dir / TOKENIZER_FILE)
+    return {
+        "kind": "bpe",
+        "file": TOKENIZER_FILE,
+        "vocab_size": tok.vocab_size,
+        "sha256": _sha256_file(out_dir / TOKENIZER_FILE),
+    }
+
+
+def _write_token_files(
+    out_dir: Path,
+    train: Path,
+    tok: ByteTokenizer | BPETokenizer,
+    assignment: _Assignment,
+    split: _Split,
+    *,
+    sizes: np.ndarray,
+    options: ShardOptions,
+) -> _Written:
+    """Pass 2: append the tokens of every document to its training shard (and its second-best path's) or its
+    held-out slice. Each file is written under a temporary name and renamed once every file is complete."""
+    num_paths, labels, second, heldout = options.num_paths, assignment.labels, assignment.second, split.heldout
+    targets = [out_dir / shard_file_name(p) for p in range(num_paths)]
+    if options.heldout_docs_per_shard:
+        targets += [out_dir / heldout_file_name(p) for p in range(num_paths)]
+    tmps = [out_dir / f".{t.name}.tmp-{os.getpid()}" for t in targets]
+    digests = [hashlib.sha256() for _ in targets]
+    n = len(sizes)
+    with ExitStack() as stack:
+        files = [stack.enter_context(open(t, "wb", buffering=1 << 20)) for t in tmps]
+        for i, (_, tokens) in enumerate(_iter_tokens(train, tok)):  # the same file as pass 1, in the same order
+            if i >= n:
+                raise ShardError(f"{train} changed while sharding (more than {n} documents)")
+            assert isinstance(tokens, np.ndarray)
+            data = tokens.tobytes()
+            if len(data) != TOKEN_DTYPE.itemsize * sizes[i]:
+                raise ShardError(f"{train} changed while sharding (document {i})")
+            dests = [num_paths + labels[i]] if heldout[i] else [labels[i]]
+            if second is not None and not heldout[i]:
+                dests.append(second[i])
+            for dest in dests:
+                digests[dest].update(data)
+                files[dest].write(data)
+        for fh in files:
+            fh.flush()
+            os.fsync(fh.fileno())
+    for tmp, target in zip(tmps, targets, strict=True):
+        os.replace(tmp, target)
+    return _Written(files=[t.name for t in targets], sha256=[d.hexdigest() for d in digests])
+
+
+def _manifest(
+    options: ShardOptions,
+    *,
+    corpus_manifest: Path,
+    eos: int,
+    tokenizer_entry: dict[str, Any] | None,
+    fitted: _Fitted,
+    scan: _Scan,
+    assignment: _Assignment,
+    split: _Split,
+    written: _Written,
+) -> dict[str, Any]:
+    """The shard manifest: the options that matter, one entry per shard, purity and balance."""
+    num_paths, labels, sizes = options.num_paths, assignment.labels, scan.sizes
+    levels = fitted.levels
+    return {
+        "format": SHARDS_FORMAT,
+        "num_paths": num_paths,
+        "prefix_tokens": options.prefix_tokens,
+        "seed": options.seed,
+        "token_dtype": TOKEN_DTYPE.str,
+        "eos": eos,
+        "corpus_manifest_sha256": _sha256_file(corpus_manifest),
+        "router_dir": ROUTER_DIR,
+        "shards": _shard_entries(options, scan=scan, assignment=assignment, split=split, written=written),
+        "purity": purity(labels, scan.domains),
+        "purity_random": random_purity(labels, scan.domains, seed=options.seed),
+        "levels": list(levels) if levels and len(levels) >= 2 else [num_paths],
+        "fit_documents": fitted.fit_documents,
+        **({"router_given": True, "router_head": fitted.router.head_weight is not None} if fitted.given else {}),
+        **({"heldout_docs_per_shard": options.heldout_docs_per_shard} if options.heldout_docs_per_shard else {}),
+        **({"overlap_top2": True} if assignment.second is not None else {}),
+        **({"tokenizer": tokenizer_entry} if tokenizer_entry is not None else {}),
+        "balance": {
+            "enabled": options.balance,
+            "min_share": options.min_share,
+            "max_share": options.max_share,
+            "satisfied": assignment.satisfied,
+            "token_shares": [round(float(x), 6) for x in assignment.shares],
+            "unbalanced_token_shares": [
+                round(float(x), 6) for x in token_shares(assignment.unbalanced, sizes, num_paths)
+            ],
+            "moved_documents": int((labels != assignment.unbalanced).sum()),
+        },
+    }
+
+
+def _shard_entries(
+    options: ShardOptions, *, scan: _Scan, assignment: _Assignment, split: _Split, written: _Written
+) -> list[dict[str, Any]]:
+    """Per path: its training shard's file, sha256, tokens, documents and domains, and its held-out slice's."""
+    num_paths, labels, second, heldout = options.num_paths, assignment.labels, assignment.second, split.heldout
+    trained = ~heldout
+    domain_array = np.asarray(scan.domains, dtype=object)
+    shards: list[dict[str, Any]] = []
+    for path_index in range(num_paths):
+        members = (labels == path_index) & trained
+        shard_domains = Counter(domain_array[members].tolist())
+        entry: dict[str, Any] = {
+            "path_index": path_index,
+            "file": written.files[path_index],
+            "sha256": written.sha256[path_index],
+            "num_tokens": int(split.num_tokens[path_index]),
+            "num_documents": int(split.num_documents[path_index]),
+        }
+        if second is not None:
+            extra = (second == path_index) & trained
+            shard_domains.update(domain_array[extra].tolist())
+            entry["num_secondary_documents"] = int(extra.sum())
+        entry["domains"] = dict(sorted(shard_domains.items()))
+        if options.heldout_docs_per_shard:
+            held = (labels == path_index) & heldout
+            entry["heldout"] = {
+                "file": written.files[num_paths + path_index],
+                "sha256": written.sha256[num_paths + path_index],
+                "num_tokens": int(scan.sizes[held].sum()),
+                "num_documents": int(held.sum()),
+                "domains": dict(sorted(Counter(domain_array[held].tolist()).items())),
+            }
+        shards.append(entry)
+    return shards
+
+
+def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    """Write then rename: the manifest appears only once every file it lists is in place."""
+    tmp = out_dir / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out_dir / MANIFEST_FILE)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _iter_tokens(
+    train: Path, tok: ByteTokenizer | BPETokenizer, *, sizes_only: bool = False
+) -> Iterator[tuple[dict[str, Any], np.ndarray | bytes]]:
     """Each document of `train` (in order) with its tokens + EOS (`TOKEN_DTYPE`); with `sizes_only` and the byte
     tokenizer, the UTF-8 bytes + one placeholder byte instead (same length, no copy to uint16)."""
     if isinstance(tok, ByteTokenizer):
@@ -136,254 +554,15 @@ def _iter_tokens(train: Path, tok: ByteTokenizer | BPETokenizer, *, sizes_only: 
         yield from zip(batch, tok.encode_batch_arrays([d["text"] for d in batch], eos=True), strict=True)
 
 
-def _route_scores(router: Router, prefix_texts: list[str], batch_docs: int) -> np.ndarray:
-    """(N, K) unbiased scores of every document, featurized in batches (bounded memory)."""
-    out = np.empty((len(prefix_texts), router.num_paths), dtype=np.float64)
-    for b in range(0, len(prefix_texts), batch_docs):
-        out[b : b + batch_docs] = router.scores(router.embed(prefix_texts[b : b + batch_docs]))
-    return out
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
-def shard_corpus(
-    corpus_dir: Path,
-    out_dir: Path,
-    *,
-    num_paths: int,
-    prefix_tokens: int = 32,
-    seed: int = 0,
-    min_tokens_per_shard: int = 0,
-    balance: bool = True,
-    strict_balance: bool = False,
-    min_share: float = 0.5,
-    max_share: float = 2.0,
-    levels: list[int] | None = None,
-    fit_sample: int = 50_000,
-    batch_docs: int = 4096,
-    router: Router | None = None,
-    heldout_docs_per_shard: int = 0,
-    overlap_top2: bool = False,
-    tokenizer: str = "byte",
-    vocab_size: int = 8192,
-    featurizer: ModelFeaturizer | None = None,
-) -> dict[str, Any]:
-    """Fit the router on the train split, write one token file per path, the router and the manifest.
-
-    Streams the train split twice and never holds the texts: pass 1 keeps each document's prefix, token count
-    and domain (tens of bytes per document); the router is fitted on `fit_sample` documents at most (a seeded
-    random subset), balanced on all of them (`balance`: every path gets between `min_share` and `max_share`
-    times its fair share of tokens, see `router.balance`), then pass 2 appends each document's tokens to its
-    shard. When the bounds cannot be met (typically: many documents share one prefix, so they must share a
-    path), `strict_balance` raises `ShardError`; otherwise the closest balance found is used, a warning is
-    logged and the manifest says `"satisfied": false`. `levels=[2, 2]` fits product k-means (one k-means per
-    routed level, path = mixed radix).
-
-    `router`: shard with this router instead of fitting one (e.g. a refit router from `router.refit`); it must
-    have `num_paths` paths and read `prefix_tokens` tokens, and is not modified. With `balance`, an offset is
-    added to its own `bias` (nothing when its routing already meets the bounds on the train split); without,
-    it routes as it is. The router used is saved with the shards as always.
-
-    `heldout_docs_per_shard=N > 0`: the last N documents (in corpus order) routed to each path are written to
-    `path-XXXX.heldout.tokens` instead of its training shard (for early stopping); the manifest records each
-    under `shards[i]["heldout"]` (file, sha256, num_tokens, num_documents, domains). A path with N or fewer
-    documents raises `ShardError`.
-
-    `overlap_top2` (paper §2.4.4, training only): every training document is also appended to the shard of its
-    second-best path (by the same biased scores that route it), so shards overlap and each document is in
-    exactly two training shards. Routing (the saved router, balance, purity, held-out slices) is top-1 and
-    unchanged; shard `num_documents`/`num_tokens`/`domains` count what is in the file, and
-    `num_secondary_documents` how many of those came as second choice.
-
-    `tokenizer="bpe"`: train a byte-level BPE of `vocab_size` tokens on the train split (`router.bpe`), save it
-    as `tokenizer.json` next to the shards and write BPE token ids (EOS = 0) instead of bytes; the manifest
-    records it (`"tokenizer": {"kind", "file", "sha256", "vocab_size"}`) and `"eos"`. Balancing counts BPE
-    tokens; routing still reads the first `prefix_tokens` bytes of each text. The defaults (0, False,
-    "byte") write exactly what they always did.
-    """
-    corpus_manifest = corpus_dir / MANIFEST_FILE
-    if not corpus_manifest.is_file():
-        raise CorpusError(f"no corpus manifest at {corpus_manifest}; build the corpus first")
-    if fit_sample < 1 or batch_docs < 1:
-        raise ShardError(f"fit_sample={fit_sample} and batch_docs={batch_docs} must be >= 1")
-    if heldout_docs_per_shard < 0:
-        raise ShardError(f"heldout_docs_per_shard={heldout_docs_per_shard} must be >= 0")
-    if overlap_top2 and num_paths < 2:
-        raise ShardError("overlap_top2 needs at least 2 paths")
-    if tokenizer not in TOKENIZERS:
-        raise ShardError(f"unknown tokenizer {tokenizer!r}; use one of {', '.join(TOKENIZERS)}")
-    train = corpus_dir / TRAIN_FILE
-    tok: ByteTokenizer | BPETokenizer
-    if tokenizer == "bpe":
-        from router.bpe import BPEError, train_bpe
-
-        try:
-            tok = train_bpe((doc["text"] for doc in iter_jsonl(train)), vocab_size=vocab_size)
-        except BPEError as exc:
-            raise ShardError(str(exc)) from exc
-    else:
-        tok = ByteTokenizer()
-    prefix_texts, sizes, domains = _scan(train, prefix_tokens, tok)
-    n = len(prefix_texts)
-    if n > fit_sample:
-        fit_idx = np.sort(np.random.default_rng(seed).choice(n, size=fit_sample, replace=False))
-        fit_texts = [prefix_texts[i] for i in fit_idx]
-    else:
-        fit_texts = prefix_texts
-    given = router is not None
-    if router is not None:
-        if router.num_paths != num_paths or router.prefix_tokens != prefix_tokens:
-            raise ShardError(f"the given router has {router.num_paths} paths and reads {router.prefix_tokens} "
-                             f"tokens; asked for {num_paths} paths and {prefix_tokens} tokens")
-        router = dataclasses.replace(router)
-        fit_texts = []
-        levels = list(router.levels) if router.levels else None
-    else:
-        router = fit_router(fit_texts, num_paths=num_paths, prefix_tokens=prefix_tokens, seed=seed,
-                            levels=levels, model=featurizer)
-    s = _route_scores(router, prefix_texts, batch_docs)
-    # A given router's own offsets are the starting point ("unbalanced" = routed as given); balancing adds to them.
-    start = router.bias if given and router.bias is not None else np.zeros(num_paths)
-    if balance:
-        try:
-            delta = fit_bias(s + start[None, :], sizes, min_share=min_share, max_share=max_share,
-                             strict=strict_balance)
-        except BalanceError as exc:
-            raise ShardError(f"balancing {n} documents over {num_paths} paths: {exc}") from exc
-        router.bias = start + delta if given else delta
-    unbalanced = np.argmin(s + start[None, :], axis=1)
-    biased = s + (router.bias[None, :] if router.bias is not None else 0.0)
-    labels = np.argmin(biased, axis=1)
-    second: np.ndarray | None = None
-    if overlap_top2:
-        # Second-best path: the best one once the top-1 is ruled out (lowest index on ties, like argmin).
-        biased = np.array(biased, dtype=np.float64, copy=True)
-        biased[np.arange(n), labels] = np.inf
-        second = np.argmin(biased, axis=1)
-    del s, biased
-
-    shares = token_shares(labels, sizes, num_paths)
-    satisfied = bool(((shares >= min_share - 1e-12) & (shares <= max_share + 1e-12)).all())
-    if balance and not satisfied:
-        log.warning("shards: token shares %s are outside [%s, %s] (the closest balance found); see the "
-                    "manifest", np.round(shares, 3).tolist(), min_share, max_share)
-    routed_docs = np.bincount(labels, minlength=num_paths)
-    empty = np.flatnonzero(routed_docs == 0).tolist()
-    if empty:
-        raise ShardError(f"paths {empty} get no document (product k-means combinations nobody falls in); "
-                         "turn balancing on or use fewer paths")
-    heldout = np.zeros(n, dtype=bool)
-    if heldout_docs_per_shard:
-        few = [(p, int(c)) for p, c in enumerate(routed_docs) if c <= heldout_docs_per_shard]
-        if few:
-            listed = ", ".join(f"path {p}: {c} documents" for p, c in few)
-            raise ShardError(f"cannot hold out {heldout_docs_per_shard} documents per shard and keep some for "
-                             f"training: {listed}")
-        for p in range(num_paths):
-            heldout[np.flatnonzero(labels == p)[-heldout_docs_per_shard:]] = True
-    trained = ~heldout
-    num_tokens = np.bincount(labels[trained], weights=sizes[trained], minlength=num_paths).astype(np.int64)
-    num_docs = np.bincount(labels[trained], minlength=num_paths)
-    if second is not None:
-        num_tokens += np.bincount(second[trained], weights=sizes[trained], minlength=num_paths).astype(np.int64)
-        num_docs += np.bincount(second[trained], minlength=num_paths)
-    too_small = [(i, int(n)) for i, n in enumerate(num_tokens) if n < min_tokens_per_shard]
-    if too_small:
-        listed = ", ".join(f"path {i}: {n} tokens" for i, n in too_small)
-        raise ShardError(f"shards below min_tokens_per_shard={min_tokens_per_shard}: {listed}")
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST_FILE).unlink(missing_ok=True)  # complete-or-absent
-    router.save(out_dir / ROUTER_DIR)
-    tokenizer_entry: dict[str, Any] | None = None
-    if not isinstance(tok, ByteTokenizer):
-        tmp_tok = out_dir / f".{TOKENIZER_JSON}.tmp-{os.getpid()}"
-        tok.save(tmp_tok)
-        os.replace(tmp_tok, out_dir / TOKENIZER_JSON)
-        tokenizer_entry = {"kind": "bpe", "file": TOKENIZER_JSON, "vocab_size": tok.vocab_size,
-                           "sha256": _sha256_file(out_dir / TOKENIZER_JSON)}
-    # Files 0..K-1: training shards; K..2K-1: held-out slices (only when asked for).
-    targets = [out_dir / shard_file_name(p) for p in range(num_paths)]
-    if heldout_docs_per_shard:
-        targets += [out_dir / heldout_file_name(p) for p in range(num_paths)]
-    tmps = [out_dir / f".{t.name}.tmp-{os.getpid()}" for t in targets]
-    digests = [hashlib.sha256() for _ in targets]
-    with ExitStack() as stack:
-        files = [stack.enter_context(open(t, "wb", buffering=1 << 20)) for t in tmps]
-        for i, (_, tokens) in enumerate(_iter_tokens(train, tok)):  # pass 2: the same file, the same order
-            if i >= n:
-                raise ShardError(f"{train} changed while sharding (more than {n} documents)")
-            assert isinstance(tokens, np.ndarray)
-            data = tokens.tobytes()
-            if len(data) != 2 * sizes[i]:
-                raise ShardError(f"{train} changed while sharding (document {i})")
-            dests = [num_paths + labels[i]] if heldout[i] else [labels[i]]
-            if second is not None and not heldout[i]:
-                dests.append(second[i])
-            for dest in dests:
-                digests[dest].update(data)
-                files[dest].write(data)
-        for fh in files:
-            fh.flush()
-            os.fsync(fh.fileno())
-    for tmp, target in zip(tmps, targets, strict=True):
-        os.replace(tmp, target)
-
-    codes, num_domains = _domain_codes(domains)
-    shards: list[dict[str, Any]] = []
-    domain_array = np.asarray(domains, dtype=object)
-    for path_index in range(num_paths):
-        members = (labels == path_index) & trained
-        shard_domains = Counter(domain_array[members].tolist())
-        entry: dict[str, Any] = {
-            "path_index": path_index, "file": targets[path_index].name,
-            "sha256": digests[path_index].hexdigest(), "num_tokens": int(num_tokens[path_index]),
-            "num_documents": int(num_docs[path_index]),
-        }
-        if second is not None:
-            extra = (second == path_index) & trained
-            shard_domains.update(domain_array[extra].tolist())
-            entry["num_secondary_documents"] = int(extra.sum())
-        entry["domains"] = dict(sorted(shard_domains.items()))
-        if heldout_docs_per_shard:
-            held = (labels == path_index) & heldout
-            entry["heldout"] = {
-                "file": targets[num_paths + path_index].name,
-                "sha256": digests[num_paths + path_index].hexdigest(),
-                "num_tokens": int(sizes[held].sum()), "num_documents": int(held.sum()),
-                "domains": dict(sorted(Counter(domain_array[held].tolist()).items())),
-            }
-        shards.append(entry)
-    manifest: dict[str, Any] = {
-        "format": SHARDS_FORMAT,
-        "num_paths": num_paths,
-        "prefix_tokens": prefix_tokens,
-        "seed": seed,
-        "token_dtype": TOKEN_DTYPE.str,
-        "eos": int(tok.EOS),
-        "corpus_manifest_sha256": _sha256_file(corpus_manifest),
-        "router_dir": ROUTER_DIR,
-        "shards": shards,
-        "purity": _purity_codes(labels, codes, num_domains),
-        "purity_random": random_purity(labels, domains, seed=seed),
-        "levels": list(levels) if levels and len(levels) >= 2 else [num_paths],
-        "fit_documents": len(fit_texts),
-        **({"router_given": True, "router_head": router.head_weight is not None} if given else {}),
-        **({"heldout_docs_per_shard": heldout_docs_per_shard} if heldout_docs_per_shard else {}),
-        **({"overlap_top2": True} if second is not None else {}),
-        **({"tokenizer": tokenizer_entry} if tokenizer_entry is not None else {}),
-        "balance": {
-            "enabled": balance, "min_share": min_share, "max_share": max_share,
-            "satisfied": satisfied,
-            "token_shares": [round(float(x), 6) for x in shares],
-            "unbalanced_token_shares": [round(float(x), 6) for x in token_shares(unbalanced, sizes, num_paths)],
-            "moved_documents": int((labels != unbalanced).sum()),
-        },
-    }
-    tmp = out_dir / f".{MANIFEST_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out_dir / MANIFEST_FILE)
-    log.info("shards: %d paths, purity %.3f (random %.3f), token shares %s", num_paths, manifest["purity"],
-             manifest["purity_random"], manifest["balance"]["token_shares"])
-    return manifest
+# ------------------------------------------------------------------------------------------------ reading back
 
 
 def load_manifest(out_dir: Path) -> dict[str, Any]:

@@ -131,8 +131,7 @@ def _iter_jsonl(root: Path, stats: SourceStats, text_field: str, domain_field: s
                     stats.skip("missing_text", where)
                     continue
                 domain = obj.get(domain_field)
-                yield Document(id=f"{rel}:{lineno}", domain=str(domain) if domain is not None else path.stem,
-                               text=text)
+                yield Document(id=f"{rel}:{lineno}", domain=str(domain) if domain is not None else path.stem, text=text)
 
 
 def _iter_parquet(root: Path, stats: SourceStats, text_field: str, domain_field: str) -> Iterator[Document]:
@@ -161,13 +160,18 @@ def _iter_parquet(root: Path, stats: SourceStats, text_field: str, domain_field:
                 if not isinstance(text, str):
                     stats.skip("missing_text", f"{path} row {row}")
                 else:
-                    yield Document(id=f"{rel}:{row}", domain=str(domain) if domain is not None else path.stem,
-                                   text=text)
+                    yield Document(
+                        id=f"{rel}:{row}", domain=str(domain) if domain is not None else path.stem, text=text
+                    )
                 row += 1
 
 
 def iter_documents(
-    source: Path, *, fmt: Format | None = None, text_field: str = "text", domain_field: str = "domain",
+    source: Path,
+    *,
+    fmt: Format | None = None,
+    text_field: str = "text",
+    domain_field: str = "domain",
     stats: SourceStats | None = None,
 ) -> Iterator[Document]:
     """Stream the documents of a source (skips are counted in `stats`)."""
@@ -213,8 +217,7 @@ def build_corpus_from(
     try:
         with open(tmps["train"], "wb") as train_fh, open(tmps["heldout"], "wb") as heldout_fh:
             handles = {"train": train_fh, "heldout": heldout_fh}
-            for doc in iter_documents(source, fmt=fmt, text_field=text_field, domain_field=domain_field,
-                                      stats=stats):
+            for doc in iter_documents(source, fmt=fmt, text_field=text_field, domain_field=domain_field, stats=stats):
                 data = doc.text.encode("utf-8")
                 if not doc.text.strip():
                     stats.skip("empty", doc.id)
@@ -228,8 +231,12 @@ def build_corpus_from(
                     continue
                 seen.add(digest)
                 split = "heldout" if stable_fraction(f"split/{doc.id}") < heldout_fraction else "train"
-                line = json.dumps({"id": doc.id, "domain": doc.domain, "text": doc.text},
-                                  ensure_ascii=False).encode("utf-8") + b"\n"
+                line = (
+                    json.dumps({"id": doc.id, "domain": doc.domain, "text": doc.text}, ensure_ascii=False).encode(
+                        "utf-8"
+                    )
+                    + b"\n"
+                )
                 handles[split].write(line)
                 digests[split].update(line)
                 splits[split]["documents"] += 1

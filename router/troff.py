@@ -13,8 +13,23 @@ _TEXT_MACROS = frozenset(
 )
 _MDOC_CALL = re.compile(r"\b(?:Fl|Ar|Op|Oo|Oc|Xr|Pa|Em|Cm|Va|Dv|Ev|Fa|Li|Sy|Ql|Dq|Sq|Pq|Ic|Ns|No)\b ?")
 _NAMED_CHARS = {
-    "em": "--", "en": "-", "hy": "-", "bu": "*", "co": "(c)", "rg": "(R)", "aq": "'", "dq": '"',
-    "lq": '"', "rq": '"', "oq": "'", "cq": "'", "mi": "-", "pl": "+", "mu": "x", "ti": "~", "ha": "^",
+    "em": "--",
+    "en": "-",
+    "hy": "-",
+    "bu": "*",
+    "co": "(c)",
+    "rg": "(R)",
+    "aq": "'",
+    "dq": '"',
+    "lq": '"',
+    "rq": '"',
+    "oq": "'",
+    "cq": "'",
+    "mi": "-",
+    "pl": "+",
+    "mu": "x",
+    "ti": "~",
+    "ha": "^",
 }
 _ESCAPES = [
     (re.compile(r"\\f(?:\[[^\]]*\]|\(..|.)"), ""),  # font changes
@@ -42,7 +57,7 @@ def troff_to_text(source: str) -> str:
     """Drop comments and layout requests, keep the text of text-bearing macros, strip inline escapes."""
     out: list[str] = []
     for raw in source.splitlines():
-        if raw.startswith((".\\\"", "'\\\"", ".\\\\\"", '\\"')) or raw.strip() in {".", "'"}:
+        if raw.startswith(('.\\"', "'\\\"", '.\\\\"', '\\"')) or raw.strip() in {".", "'"}:
             continue
         line = raw
         if raw.startswith((".", "'")):

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from router.corpus import build_local_corpus
-from router.shards import shard_corpus
+from router.shards import ShardOptions, shard_corpus
 
 DOCS_PER_DOMAIN = 100
 
@@ -23,4 +23,4 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def shards4(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("shards4")
-    return out, shard_corpus(corpus_dir, out, num_paths=4)
+    return out, shard_corpus(corpus_dir, out, ShardOptions(num_paths=4))

@@ -9,7 +9,7 @@ import pytest
 from router.balance import BalanceError, fit_bias, token_shares
 from router.corpus import iter_jsonl
 from router.router import Router, RouterError, fit_router, level_blocks
-from router.shards import ShardError, shard_corpus
+from router.shards import ShardError, ShardOptions, shard_corpus
 
 
 def test_bias_brings_every_path_within_bounds() -> None:
@@ -41,7 +41,7 @@ def test_identical_prefixes_cannot_be_split() -> None:
 
 def test_shards_are_balanced_on_the_local_corpus(corpus_dir: Path, tmp_path: Path) -> None:
     for k in (4, 8):
-        manifest = shard_corpus(corpus_dir, tmp_path / str(k), num_paths=k)
+        manifest = shard_corpus(corpus_dir, tmp_path / str(k), ShardOptions(num_paths=k))
         balance = manifest["balance"]
         assert balance["enabled"] and balance["satisfied"]
         assert all(0.5 <= x <= 2.0 for x in balance["token_shares"]), balance
@@ -71,7 +71,7 @@ def test_product_kmeans_routes_by_mixed_radix(corpus_dir: Path) -> None:
 
 
 def test_shard_corpus_with_levels(corpus_dir: Path, tmp_path: Path) -> None:
-    manifest = shard_corpus(corpus_dir, tmp_path / "s", num_paths=4, levels=[2, 2])
+    manifest = shard_corpus(corpus_dir, tmp_path / "s", ShardOptions(num_paths=4, levels=[2, 2]))
     assert manifest["levels"] == [2, 2] and len(manifest["shards"]) == 4
     assert manifest["balance"]["satisfied"]
     config = json.loads((tmp_path / "s" / "router" / "router.json").read_text())
@@ -79,8 +79,8 @@ def test_shard_corpus_with_levels(corpus_dir: Path, tmp_path: Path) -> None:
 
 
 def test_fit_on_a_sample_is_deterministic(corpus_dir: Path, tmp_path: Path) -> None:
-    a = shard_corpus(corpus_dir, tmp_path / "a", num_paths=3, fit_sample=300, batch_docs=100)
-    b = shard_corpus(corpus_dir, tmp_path / "b", num_paths=3, fit_sample=300, batch_docs=7)
+    a = shard_corpus(corpus_dir, tmp_path / "a", ShardOptions(num_paths=3, fit_sample=300, batch_docs=100))
+    b = shard_corpus(corpus_dir, tmp_path / "b", ShardOptions(num_paths=3, fit_sample=300, batch_docs=7))
     assert a == b and a["fit_documents"] == 300
     for shard in a["shards"]:
         assert (tmp_path / "a" / shard["file"]).read_bytes() == (tmp_path / "b" / shard["file"]).read_bytes()
@@ -88,6 +88,6 @@ def test_fit_on_a_sample_is_deterministic(corpus_dir: Path, tmp_path: Path) -> N
 
 def test_strict_balance_names_the_problem(corpus_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ShardError, match="balancing .* over 4 paths: could not balance"):
-        shard_corpus(corpus_dir, tmp_path / "s", num_paths=4, min_share=0.999, max_share=1.001,
-                     strict_balance=True)
+        options = ShardOptions(num_paths=4, min_share=0.999, max_share=1.001, strict_balance=True)
+        shard_corpus(corpus_dir, tmp_path / "s", options)
     assert not (tmp_path / "s" / "manifest.json").exists()

@@ -68,8 +68,9 @@ def test_skips_are_counted_and_lines_kept_whole(tmp_path: Path) -> None:
         _source(tmp_path / "src", "beta", {"b.txt": "beta text\n" * 40}),
         DomainSource(name="gamma", root=tmp_path / "nowhere", patterns=("*.txt",)),
     ]
-    manifest = build_local_corpus(tmp_path / "out", min_doc_bytes=100, max_doc_bytes=500,
-                                  heldout_fraction=0.0, sources=sources)
+    manifest = build_local_corpus(
+        tmp_path / "out", min_doc_bytes=100, max_doc_bytes=500, heldout_fraction=0.0, sources=sources
+    )
     assert manifest["domains"]["alpha"]["skipped"] == {"duplicate": 1, "too_short": 1}
     assert manifest["missing_domains"] == ["gamma"]
     docs = {d["id"]: d["text"] for d in iter_jsonl(tmp_path / "out" / "train.jsonl")}
@@ -87,8 +88,10 @@ def test_fewer_than_two_domains_is_an_error(tmp_path: Path) -> None:
 def test_invalid_utf8_is_replaced_and_counted(tmp_path: Path) -> None:
     (tmp_path / "src" / "bad").mkdir(parents=True)
     (tmp_path / "src" / "bad" / "x.txt").write_bytes(b"caf\xe9 au lait\n" * 30)
-    sources = [DomainSource(name="bad", root=tmp_path / "src" / "bad", patterns=("*.txt",)),
-               _source(tmp_path / "src", "good", {"g.txt": "fine text\n" * 30})]
+    sources = [
+        DomainSource(name="bad", root=tmp_path / "src" / "bad", patterns=("*.txt",)),
+        _source(tmp_path / "src", "good", {"g.txt": "fine text\n" * 30}),
+    ]
     manifest = build_local_corpus(tmp_path / "out", heldout_fraction=0.0, sources=sources)
     assert manifest["domains"]["bad"]["utf8_replacements"] == 30
 

@@ -14,7 +14,7 @@ from modules import ModelConfig, init_state
 from router.cli import app
 from router.model_features import FeaturizerError, ModelFeaturizer, load_exported
 from router.router import Router, fit_router
-from router.shards import load_manifest, shard_corpus
+from router.shards import ShardOptions, load_manifest, shard_corpus
 
 CFG = ModelConfig(vocab_size=257, seq_len=64, d_model=32, n_layers=2, n_heads=2)
 TEXTS = [f"def function_{i}(x):\n    return x + {i}\n" for i in range(12)] + [
@@ -61,11 +61,11 @@ def _export(directory: Path) -> Path:
 
 def test_shards_routed_by_an_exported_path(corpus_dir: Path, tmp_path: Path) -> None:
     exported = _export(tmp_path / "exported")
-    manifest = shard_corpus(corpus_dir, tmp_path / "s", num_paths=3, featurizer=load_exported(exported))
+    manifest = shard_corpus(corpus_dir, tmp_path / "s", ShardOptions(num_paths=3), featurizer=load_exported(exported))
     assert load_manifest(tmp_path / "s")["num_paths"] == 3 == len(manifest["shards"])
     assert all(s["num_documents"] > 0 for s in manifest["shards"])
     assert Router.load(tmp_path / "s" / "router").model is not None
-    again = shard_corpus(corpus_dir, tmp_path / "s2", num_paths=3, featurizer=load_exported(exported))
+    again = shard_corpus(corpus_dir, tmp_path / "s2", ShardOptions(num_paths=3), featurizer=load_exported(exported))
     assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
 
 

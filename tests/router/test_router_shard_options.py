@@ -15,7 +15,7 @@ from router.bpe import EOS_TOKEN, BPETokenizer, train_bpe
 from router.cli import app
 from router.corpus import build_local_corpus, iter_jsonl
 from router.router import Router
-from router.shards import ShardError, load_manifest, shard_corpus
+from router.shards import ShardError, ShardOptions, load_manifest, shard_corpus
 from router.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
 
@@ -30,16 +30,18 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_heldout_slices_are_deterministic_and_verified(corpus_dir: Path, tmp_path: Path,
-                                                       shards4: tuple[Path, dict[str, Any]]) -> None:
+def test_heldout_slices_are_deterministic_and_verified(
+    corpus_dir: Path, tmp_path: Path, shards4: tuple[Path, dict[str, Any]]
+) -> None:
     base_dir, base = shards4
-    a = shard_corpus(corpus_dir, tmp_path / "a", num_paths=4, heldout_docs_per_shard=3)
-    b = shard_corpus(corpus_dir, tmp_path / "b", num_paths=4, heldout_docs_per_shard=3)
+    a = shard_corpus(corpus_dir, tmp_path / "a", ShardOptions(num_paths=4, heldout_docs_per_shard=3))
+    b = shard_corpus(corpus_dir, tmp_path / "b", ShardOptions(num_paths=4, heldout_docs_per_shard=3))
     assert a == b and _files(tmp_path / "a") == _files(tmp_path / "b")
     assert load_manifest(tmp_path / "a") == a and a["heldout_docs_per_shard"] == 3
     # Routing is unchanged; each path's training shard + held-out slice is exactly its default shard.
-    assert (tmp_path / "a" / "router" / "router.safetensors").read_bytes() == \
-        (base_dir / "router" / "router.safetensors").read_bytes()
+    assert (tmp_path / "a" / "router" / "router.safetensors").read_bytes() == (
+        base_dir / "router" / "router.safetensors"
+    ).read_bytes()
     assert a["purity"] == base["purity"] and a["balance"] == base["balance"]
     for shard, full in zip(a["shards"], base["shards"], strict=True):
         held = shard["heldout"]
@@ -62,22 +64,50 @@ def test_heldout_slices_are_deterministic_and_verified(corpus_dir: Path, tmp_pat
         load_manifest(tmp_path / "a")
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_paths": 0}, "num_paths=0 must be >= 1"),
+        ({"prefix_tokens": 0}, "prefix_tokens=0 must be >= 1"),
+        ({"fit_sample": 0}, "fit_sample=0 and batch_docs=4096 must be >= 1"),
+        ({"batch_docs": 0}, "fit_sample=50000 and batch_docs=0 must be >= 1"),
+        ({"min_share": 1.5}, "need 0 <= min_share <= 1 <= max_share, got 1.5 and 2.0"),
+        ({"max_share": 0.9}, "need 0 <= min_share <= 1 <= max_share, got 0.5 and 0.9"),
+        ({"min_tokens_per_shard": -1}, "min_tokens_per_shard=-1 must be >= 0"),
+        ({"heldout_docs_per_shard": -1}, "heldout_docs_per_shard=-1 must be >= 0"),
+        ({"num_paths": 1, "overlap_top2": True}, "overlap_top2 needs at least 2 paths, got num_paths=1"),
+        ({"tokenizer": "wordpiece"}, "unknown tokenizer 'wordpiece'; use one of byte, bpe"),
+        ({"tokenizer": "bpe", "vocab_size": 70_000}, r"vocab_size=70000 must be in \[257, 65535\]"),
+    ],
+)
+def test_options_name_the_bad_value(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ShardError, match=message):
+        ShardOptions(**{"num_paths": 2, **fields})
+
+
+def test_options_are_keyword_only_and_vocab_size_is_for_bpe() -> None:
+    with pytest.raises(TypeError):
+        ShardOptions(2)  # type: ignore[call-arg]
+    assert ShardOptions(num_paths=2, vocab_size=70_000).tokenizer == "byte"  # ignored with byte tokens
+
+
 def test_heldout_needs_training_documents_left(corpus_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ShardError, match="cannot hold out 100000 documents per shard"):
-        shard_corpus(corpus_dir, tmp_path / "s", num_paths=2, heldout_docs_per_shard=100_000)
-    with pytest.raises(ShardError, match="must be >= 0"):
-        shard_corpus(corpus_dir, tmp_path / "s", num_paths=2, heldout_docs_per_shard=-1)
+        shard_corpus(corpus_dir, tmp_path / "s", ShardOptions(num_paths=2, heldout_docs_per_shard=100_000))
+    assert not (tmp_path / "s").exists()  # refused before anything is written
 
 
-def test_overlap_top2_puts_every_document_in_two_shards(corpus_dir: Path, tmp_path: Path,
-                                                        shards4: tuple[Path, dict[str, Any]]) -> None:
+def test_overlap_top2_puts_every_document_in_two_shards(
+    corpus_dir: Path, tmp_path: Path, shards4: tuple[Path, dict[str, Any]]
+) -> None:
     base_dir, base = shards4
     out = tmp_path / "o"
-    m = shard_corpus(corpus_dir, out, num_paths=4, overlap_top2=True)
+    m = shard_corpus(corpus_dir, out, ShardOptions(num_paths=4, overlap_top2=True))
     assert m["overlap_top2"] is True and load_manifest(out) == m
     # Top-1 routing (the saved router, balance, purity) is unchanged.
-    assert (out / "router" / "router.safetensors").read_bytes() == \
-        (base_dir / "router" / "router.safetensors").read_bytes()
+    assert (out / "router" / "router.safetensors").read_bytes() == (
+        base_dir / "router" / "router.safetensors"
+    ).read_bytes()
     assert m["purity"] == base["purity"] and m["balance"] == base["balance"]
     router = Router.load(out / "router")
     train = [d["text"] for d in iter_jsonl(corpus_dir / "train.jsonl")]
@@ -91,9 +121,9 @@ def test_overlap_top2_puts_every_document_in_two_shards(corpus_dir: Path, tmp_pa
     tok = ByteTokenizer()
     total_docs = 0
     for p, shard in enumerate(m["shards"]):
-        expected = b"".join(tok.encode_array(t, eos=True).tobytes() for t, a, b in zip(train, top1, top2,
-                                                                                        strict=True)
-                            if p in (a, b))
+        expected = b"".join(
+            tok.encode_array(t, eos=True).tobytes() for t, a, b in zip(train, top1, top2, strict=True) if p in (a, b)
+        )
         assert (out / shard["file"]).read_bytes() == expected
         assert shard["num_secondary_documents"] == int((top2 == p).sum())
         assert shard["num_documents"] == int((top1 == p).sum() + (top2 == p).sum())
@@ -113,8 +143,8 @@ def test_bpe_tokenizer_round_trip_and_eos() -> None:
 
 def test_bpe_shards_are_deterministic(small_corpus: Path, tmp_path: Path) -> None:
     corpus_dir = small_corpus
-    a = shard_corpus(corpus_dir, tmp_path / "a", num_paths=2, tokenizer="bpe", vocab_size=600)
-    b = shard_corpus(corpus_dir, tmp_path / "b", num_paths=2, tokenizer="bpe", vocab_size=600)
+    a = shard_corpus(corpus_dir, tmp_path / "a", ShardOptions(num_paths=2, tokenizer="bpe", vocab_size=600))
+    b = shard_corpus(corpus_dir, tmp_path / "b", ShardOptions(num_paths=2, tokenizer="bpe", vocab_size=600))
     assert a == b and _files(tmp_path / "a") == _files(tmp_path / "b")
     assert load_manifest(tmp_path / "a") == a
     entry = a["tokenizer"]
@@ -134,23 +164,37 @@ def test_bpe_shards_are_deterministic(small_corpus: Path, tmp_path: Path) -> Non
     (tmp_path / "a" / "tokenizer.json").write_text("{}")
     with pytest.raises(ShardError, match="tokenizer file .* has sha256"):
         load_manifest(tmp_path / "a")
-    with pytest.raises(ShardError, match="vocab_size=70000"):
-        shard_corpus(corpus_dir, tmp_path / "c", num_paths=2, tokenizer="bpe", vocab_size=70_000)
-    with pytest.raises(ShardError, match="unknown tokenizer"):
-        shard_corpus(corpus_dir, tmp_path / "c", num_paths=2, tokenizer="wordpiece")
 
 
 def test_shard_command_options(small_corpus: Path, tmp_path: Path) -> None:
     runner = CliRunner()
-    result = runner.invoke(app, ["shard", "--corpus", str(small_corpus), "--out", str(tmp_path / "s"),
-                                 "--paths", "2", "--heldout-docs-per-shard", "1", "--overlap-top2",
-                                 "--tokenizer", "bpe", "--vocab-size", "400"])
+    result = runner.invoke(
+        app,
+        [
+            "shard",
+            "--corpus",
+            str(small_corpus),
+            "--out",
+            str(tmp_path / "s"),
+            "--paths",
+            "2",
+            "--heldout-docs-per-shard",
+            "1",
+            "--overlap-top2",
+            "--tokenizer",
+            "bpe",
+            "--vocab-size",
+            "400",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "held out 1 documents per shard" in result.output and "BPE tokenizer" in result.output
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert manifest["overlap_top2"] and manifest["heldout_docs_per_shard"] == 1
     assert manifest["tokenizer"]["vocab_size"] <= 400
     assert load_manifest(tmp_path / "s") == manifest
-    result = runner.invoke(app, ["shard", "--corpus", str(small_corpus), "--out", str(tmp_path / "t"),
-                                 "--paths", "2", "--tokenizer", "nope"])
+    result = runner.invoke(
+        app,
+        ["shard", "--corpus", str(small_corpus), "--out", str(tmp_path / "t"), "--paths", "2", "--tokenizer", "nope"],
+    )
     assert result.exit_code == 1 and "unknown tokenizer" in result.output

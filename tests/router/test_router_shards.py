@@ -8,19 +8,20 @@ import numpy as np
 import pytest
 
 from router.corpus import iter_jsonl
+from router.purity import purity
 from router.router import Router
-from router.shards import ShardError, load_manifest, purity, shard_corpus
+from router.shards import ShardError, ShardOptions, load_manifest, shard_corpus
 from router.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
 
-def test_shards_are_byte_for_byte_deterministic(corpus_dir: Path, tmp_path: Path,
-                                                shards4: tuple[Path, dict[str, Any]]) -> None:
+def test_shards_are_byte_for_byte_deterministic(
+    corpus_dir: Path, tmp_path: Path, shards4: tuple[Path, dict[str, Any]]
+) -> None:
     first, manifest = shards4
-    again = shard_corpus(corpus_dir, tmp_path / "again", num_paths=4)
+    again = shard_corpus(corpus_dir, tmp_path / "again", ShardOptions(num_paths=4))
     assert again == manifest
     files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(tmp_path / "again") for p in (tmp_path / "again").rglob("*")
-                           if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "again") for p in (tmp_path / "again").rglob("*") if p.is_file())
     for rel in files:
         assert (first / rel).read_bytes() == (tmp_path / "again" / rel).read_bytes(), rel
 
@@ -28,8 +29,7 @@ def test_shards_are_byte_for_byte_deterministic(corpus_dir: Path, tmp_path: Path
 def test_manifest_matches_files(corpus_dir: Path, shards4: tuple[Path, dict[str, Any]]) -> None:
     out, manifest = shards4
     assert load_manifest(out) == manifest
-    assert manifest["corpus_manifest_sha256"] == hashlib.sha256(
-        (corpus_dir / "manifest.json").read_bytes()).hexdigest()
+    assert manifest["corpus_manifest_sha256"] == hashlib.sha256((corpus_dir / "manifest.json").read_bytes()).hexdigest()
     train = list(iter_jsonl(corpus_dir / "train.jsonl"))
     assert sum(s["num_documents"] for s in manifest["shards"]) == len(train)
     eos = ByteTokenizer.EOS
@@ -49,8 +49,9 @@ def test_shards_follow_the_saved_router(corpus_dir: Path, shards4: tuple[Path, d
     train = list(iter_jsonl(corpus_dir / "train.jsonl"))
     labels = router.route([d["text"] for d in train])
     tok = ByteTokenizer()
-    first_doc = {int(p): tok.encode_array(train[int(np.flatnonzero(labels == p)[0])]["text"], eos=True)
-                 for p in range(4)}
+    first_doc = {
+        int(p): tok.encode_array(train[int(np.flatnonzero(labels == p)[0])]["text"], eos=True) for p in range(4)
+    }
     for p, expected in first_doc.items():
         tokens = np.fromfile(out / manifest["shards"][p]["file"], dtype=TOKEN_DTYPE)
         np.testing.assert_array_equal(tokens[: expected.size], expected)
@@ -69,7 +70,7 @@ def test_purity_helper() -> None:
 
 def test_tampered_shard_is_detected(corpus_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "s"
-    manifest = shard_corpus(corpus_dir, out, num_paths=2)
+    manifest = shard_corpus(corpus_dir, out, ShardOptions(num_paths=2))
     target = out / manifest["shards"][1]["file"]
     data = bytearray(target.read_bytes())
     data[10] ^= 0x01
@@ -83,5 +84,5 @@ def test_tampered_shard_is_detected(corpus_dir: Path, tmp_path: Path) -> None:
 
 def test_min_tokens_per_shard(corpus_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ShardError, match="below min_tokens_per_shard=1000000000: path 0"):
-        shard_corpus(corpus_dir, tmp_path / "s", num_paths=2, min_tokens_per_shard=10**9)
+        shard_corpus(corpus_dir, tmp_path / "s", ShardOptions(num_paths=2, min_tokens_per_shard=10**9))
     assert not (tmp_path / "s" / "manifest.json").exists()

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from router.cli import app
 from router.corpus import CorpusError, iter_jsonl
 from router.router import RouterError
-from router.shards import shard_corpus
+from router.shards import ShardOptions, shard_corpus
 from router.sources import build_corpus_from, iter_documents
 
 LONG = "a document long enough to keep: " * 4
@@ -53,8 +53,9 @@ def test_text_directory_counts_every_skip(tmp_path: Path) -> None:
 def test_jsonl_with_bad_lines(tmp_path: Path) -> None:
     lines = [json.dumps({"text": f"doc {i} " + LONG, "domain": "d" + str(i % 2)}) for i in range(20)]
     lines += ["{not json", json.dumps({"body": LONG}), json.dumps(["a list"]), "", json.dumps({"text": 5})]
-    (tmp_path / "c.jsonl").write_bytes("\n".join(lines).encode() + b"\n" + b'{"text": "bad \xff ' +
-                                       LONG.encode() + b'"}\n')
+    (tmp_path / "c.jsonl").write_bytes(
+        "\n".join(lines).encode() + b"\n" + b'{"text": "bad \xff ' + LONG.encode() + b'"}\n'
+    )
     manifest = build_corpus_from(tmp_path / "c.jsonl", tmp_path / "out", heldout_fraction=0.2)
     assert manifest["skipped"] == {"invalid_json": 1, "missing_text": 3}
     assert manifest["utf8_replacements"] == 1
@@ -82,7 +83,7 @@ def test_fewer_documents_than_paths_and_missing_source(tmp_path: Path) -> None:
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": f"{i} " + LONG}) for i in range(3)) + "\n")
     build_corpus_from(tmp_path / "c.jsonl", tmp_path / "out", heldout_fraction=0.0)
     with pytest.raises(RouterError, match="cannot route 3 documents to 4 paths"):
-        shard_corpus(tmp_path / "out", tmp_path / "s", num_paths=4)
+        shard_corpus(tmp_path / "out", tmp_path / "s", ShardOptions(num_paths=4))
     with pytest.raises(CorpusError, match="does not exist"):
         list(iter_documents(tmp_path / "nope"))
     (tmp_path / "e.jsonl").write_text("{}\n")
@@ -93,18 +94,33 @@ def test_fewer_documents_than_paths_and_missing_source(tmp_path: Path) -> None:
 
 def test_corpus_command_from_jsonl_then_shard_with_levels(tmp_path: Path) -> None:
     words = ["alpha", "beta", "gamma", "delta"]
-    lines = [json.dumps({"body": f"{words[i % 4]} {i} {words[i % 4]} " + LONG, "domain": words[i % 4]})
-             for i in range(80)]
+    lines = [
+        json.dumps({"body": f"{words[i % 4]} {i} {words[i % 4]} " + LONG, "domain": words[i % 4]}) for i in range(80)
+    ]
     (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
-    result = CliRunner().invoke(app, ["corpus", "--out", str(tmp_path / "c"), "--from", str(tmp_path / "c.jsonl"),
-                                      "--format", "jsonl", "--text-field", "body"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "corpus",
+            "--out",
+            str(tmp_path / "c"),
+            "--from",
+            str(tmp_path / "c.jsonl"),
+            "--format",
+            "jsonl",
+            "--text-field",
+            "body",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "alpha" in result.output and "total" in result.output
-    result = CliRunner().invoke(app, ["shard", "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "s"),
-                                      "--paths", "4", "--levels", "2,2"])
+    result = CliRunner().invoke(
+        app, ["shard", "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "s"), "--paths", "4", "--levels", "2,2"]
+    )
     assert result.exit_code == 0, result.output
     assert "token share" in result.output
     assert json.loads((tmp_path / "s" / "manifest.json").read_text())["levels"] == [2, 2]
-    result = CliRunner().invoke(app, ["corpus", "--out", str(tmp_path / "x"), "--from", str(tmp_path / "c.jsonl"),
-                                      "--format", "csv"])
+    result = CliRunner().invoke(
+        app, ["corpus", "--out", str(tmp_path / "x"), "--from", str(tmp_path / "c.jsonl"), "--format", "csv"]
+    )
     assert result.exit_code == 1 and "unknown format 'csv'" in result.output
