@@ -1,4 +1,4 @@
-"""Coordinator benchmarks (issue 4). Each prints ratios against a baseline measured in the same run.
+"""Coordinator benchmarks. Each prints ratios against a baseline measured in the same run.
 
   python bench/bench_coordinator.py upload    [--mb 100]       upload+accept vs a raw loopback socket transfer
   python bench/bench_coordinator.py aggregate [--mb 100]       peak RSS of a round apply for K = 4, 16, 64
@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +43,25 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.schemas import GRAD_KEY_SEP  # noqa: E402
+from coordinator.client import CoordinatorClient, CoordinatorUnavailable, RetryPolicy  # noqa: E402
+from coordinator.schemas import (  # noqa: E402
+    GRAD_KEY_SEP,
+    H_HELD,
+    H_ROUND,
+    H_TOKENS,
+    H_TRAIN_LOSS,
+    IslandJoined,
+    LeasePublic,
+    RunPublic,
+)
+from coordinator.states import ContributionStatus, IslandStatus, LeaseStatus, RunStatus  # noqa: E402
+from island.distributed import free_port  # noqa: E402
 from modules import encode, level_param_shapes, parse_layout  # noqa: E402
 from modules.config import ModelConfig  # noqa: E402
 
 ADMIN = "bench-admin-token-000000"
 JOIN = "bench-join-token-0000000"
 PG = os.environ.get("DIPACO_TEST_PG_SERVER", "postgresql+psycopg://postgres@127.0.0.1:5432")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_coordinator(data_dir: Path, database_url: str, *, workers: int = 1) -> tuple[subprocess.Popen[bytes], str]:
@@ -88,12 +95,13 @@ def start_coordinator(data_dir: Path, database_url: str, *, workers: int = 1) ->
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+    with CoordinatorClient(url, ADMIN, timeout=httpx.Timeout(1.0)) as probe:
+        for _ in range(300):
+            try:
+                probe.health(give_up_after_s=0)
                 return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+            except CoordinatorUnavailable:
+                time.sleep(0.2)
     proc.kill()
     raise RuntimeError("coordinator did not start")
 
@@ -122,17 +130,17 @@ def big_model(mb: float) -> dict[str, Any]:
     return {"flavour": "debug", "d_model": d, "n_heads": 8, "seq_len": 16, "n_layers": 2}
 
 
-def create_run(client: httpx.Client, spec: dict[str, Any], num_tokens: int = 4000) -> dict[str, Any]:
-    r = client.post("/v1/runs", json=spec)
-    r.raise_for_status()
-    run = r.json()
+def create_run(admin: CoordinatorClient, spec: dict[str, Any], num_tokens: int = 4000) -> RunPublic:
+    """Create the run and register the same random shard for every path: it is running when this returns."""
+    run = admin.create_run(spec)
+    LAYOUT_OF[run.id] = run.layout
     body = np.random.default_rng(0).integers(0, 256, num_tokens).astype("<u2").tobytes()
-    for p in range(run["num_paths"]):
-        client.post(f"/v1/runs/{run['id']}/shards/{p}", params={"num_documents": 1}, content=body).raise_for_status()
-    return dict(run)
+    for p in range(run.num_paths):
+        admin.register_shard(run.id, p, body, num_documents=1)
+    return run
 
 
-def create_debug_run(url: str, name: str, *, paths: int, lease_ttl_s: float) -> tuple[dict[str, Any], str]:
+def create_debug_run(url: str, name: str, *, paths: int, lease_ttl_s: float) -> RunPublic:
     """A running run of the tiny debug model with k x k paths (`paths` rounded up: 256 -> 16 x 16) and its layout;
     one inner step a lease, so a lease is light and the coordinator's own costs show."""
     k = math.isqrt(paths - 1) + 1
@@ -146,22 +154,29 @@ def create_debug_run(url: str, name: str, *, paths: int, lease_ttl_s: float) -> 
         "num_rounds": 100,
         "lease_ttl_s": lease_ttl_s,
     }
-    with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
-        run = create_run(admin, spec, num_tokens=200)
-    LAYOUT_OF[run["id"]] = layout
-    return run, layout
+    with CoordinatorClient(url, ADMIN) as admin:
+        return create_run(admin, spec, num_tokens=200)
 
 
-def grads_for(lease: dict[str, Any], *, scale: float = 1e-3) -> bytes:
-    """A valid outer-gradient payload for a lease: small random values for every tensor of the path."""
-    cfg = ModelConfig.from_dict(lease["model"])
-    lay = parse_layout(LAYOUT_OF[lease["run_id"]], n_layers=cfg.n_layers)
+def grads_for(
+    model: dict[str, Any], layout: str, levels: list[tuple[int, str]], *, seed: int, scale: float = 1e-3
+) -> bytes:
+    """A valid outer-gradient payload for a path: small random values for every tensor of its `levels` (index,
+    name)."""
+    cfg = ModelConfig.from_dict(model)
+    lay = parse_layout(layout, n_layers=cfg.n_layers)
     out: dict[str, torch.Tensor] = {}
-    gen = torch.Generator().manual_seed(lease["lease_id"])
-    for m in lease["modules"]:
-        for name, shape in level_param_shapes(cfg, lay, m["level"]).items():
-            out[f"{m['level_name']}{GRAD_KEY_SEP}{name}"] = torch.randn(shape, generator=gen) * scale
+    gen = torch.Generator().manual_seed(seed)
+    for level, level_name in levels:
+        for name, shape in level_param_shapes(cfg, lay, level).items():
+            out[f"{level_name}{GRAD_KEY_SEP}{name}"] = torch.randn(shape, generator=gen) * scale
     return encode(out)
+
+
+def lease_grads(lease: LeasePublic) -> bytes:
+    """`grads_for` the path of a lease."""
+    levels = [(m.level, m.level_name) for m in lease.modules]
+    return grads_for(lease.model, LAYOUT_OF[lease.run_id], levels, seed=lease.lease_id)
 
 
 LAYOUT_OF: dict[int, str] = {}
@@ -217,20 +232,44 @@ def raw_socket_mb_s(payload: bytes, port: int) -> float:
     return len(payload) / 1e6 / (time.perf_counter() - start)
 
 
+class SendTimer(httpx.BaseTransport):
+    """A loopback transport that notes when the last byte of a request body was handed to the connection."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.sent = 0.0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.stream = _TimedBody(request.stream, self)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _TimedBody(httpx.SyncByteStream):
+    def __init__(self, inner: Any, timer: SendTimer) -> None:
+        self.inner, self.timer = inner, timer
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.inner
+        self.timer.sent = time.perf_counter()
+
+
 def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
     """Upload + accept vs the raw transfer, measured back to back per repeat.
 
-    The client sends like the island (`island.client._chunks`: 1 MiB slices and an explicit Content-Length).
+    The upload is the island's: `CoordinatorClient.upload` (1 MiB slices and an explicit Content-Length).
     `send_s` is until the client handed over the last byte, `tail_s` from then to the response: the server's
     rest of the spool, validation, fsync + rename and the database commit.
     """
-    from island.client import _chunks
-
     tmp = Path(tempfile.mkdtemp(prefix="dipaco-bench-"))
     proc, url = start_coordinator(tmp / "coordinator", f"sqlite:///{tmp / 'r.db'}")
     reader, raw_port = start_raw_reader()
+    timer = SendTimer()
+    http = httpx.Client(base_url=url, transport=timer, timeout=600)
     try:
-        admin = httpx.Client(base_url=url, timeout=600, headers={"Authorization": f"Bearer {ADMIN}"})
+        admin = CoordinatorClient(url, ADMIN, http=http)
         # one path more than uploads (at least 4), so the round never closes and every upload is a fresh path
         layout = f"embed:shared, b0-1:routed{max(4, repeats + 1)}, head:shared"
         spec = {
@@ -241,40 +280,20 @@ def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
             "inner": {"batch_size": 1},
             "num_rounds": 1000,
         }
-        run = create_run(admin, spec)
-        LAYOUT_OF[run["id"]] = layout
-        join = httpx.post(f"{url}/v1/islands", json={"name": "bench"}, headers={"Authorization": f"Bearer {JOIN}"})
-        island = join.json()
-        h = {"Authorization": f"Bearer {island['token']}"}
+        create_run(admin, spec)
+        island = CoordinatorClient(url, JOIN, http=http)
+        island.join("bench")
         rows = []
         for _ in range(repeats):
-            lease = admin.post(f"/v1/islands/{island['island_id']}/lease", headers=h).json()
-            payload = grads_for(lease)
+            lease = island.lease()
+            assert lease is not None, island.idle
+            payload = lease_grads(lease)
             raw = raw_socket_mb_s(payload, raw_port)
-            sent = 0.0
-
-            def body(payload: bytes = payload) -> Any:  # memoryview slices: httpx's hints say bytes, h11 takes any
-                nonlocal sent
-                yield from _chunks(payload)
-                sent = time.perf_counter()
-
             start = time.perf_counter()
-            r = admin.post(
-                f"/v1/leases/{lease['lease_id']}/outer-gradients",
-                content=body(),
-                headers={
-                    **h,
-                    "X-Dipaco-Round": str(lease["round"]),
-                    "X-Dipaco-Tokens": "1",
-                    "X-Dipaco-Train-Loss": "1.0",
-                    "Content-Type": "application/octet-stream",
-                    "Content-Length": str(len(payload)),
-                },
-            )
-            end = time.perf_counter()
-            r.raise_for_status()
+            island.upload(lease, payload, tokens=1, train_loss=1.0)
+            end, sent = time.perf_counter(), timer.sent
             up = len(payload) / 1e6 / (end - start)
-            admin.post(f"/v1/leases/{lease['lease_id']}/release", headers=h)
+            island.release(lease.lease_id)
             rows.append(
                 {
                     "payload_mb": round(len(payload) / 1e6, 1),
@@ -289,6 +308,7 @@ def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
         ratio = statistics.median(r["ratio"] for r in rows)
         return {"bench": "upload", "rows": rows, "median_ratio": ratio, "target": 0.5, "ok": ratio >= 0.5}
     finally:
+        http.close()
         reader.kill()
         reader.wait()
         proc.terminate()
@@ -337,7 +357,7 @@ def bench_aggregate(mb: float, ks: list[int]) -> dict[str, Any]:
         now = datetime.now(UTC)
         with state.sessions() as s:
             run = svc_create_run(s, state.blobs, spec)
-            run.status = "running"
+            run.status = RunStatus.RUNNING
             open_round(s, run, 0, now=now)
             s.commit()
             modules = s.scalars(select(Module).where(Module.run_id == run.id).order_by(Module.id)).all()
@@ -354,7 +374,7 @@ def bench_aggregate(mb: float, ks: list[int]) -> dict[str, Any]:
                 )
             shapes = level_param_shapes(cfg, lay, 1)
             paths = s.scalars(select(PathRow).where(PathRow.run_id == run.id).order_by(PathRow.index)).all()
-            isl = Island(name="x", site="x", capabilities={}, token_hash=uuid.uuid4().hex, status="active")
+            isl = Island(name="x", site="x", capabilities={}, token_hash=uuid.uuid4().hex, status=IslandStatus.ACTIVE)
             s.add(isl)
             s.flush()
             island_id = isl.id
@@ -368,7 +388,7 @@ def bench_aggregate(mb: float, ks: list[int]) -> dict[str, Any]:
                     island_id=island_id,
                     path_id=p.id,
                     round=0,
-                    status="submitted",
+                    status=LeaseStatus.SUBMITTED,
                     base_versions={},
                     token_start=0,
                     token_end=1,
@@ -378,7 +398,13 @@ def bench_aggregate(mb: float, ks: list[int]) -> dict[str, Any]:
                 s.add(lease)
                 s.flush()
                 c = Contribution(
-                    lease_id=lease.id, run_id=run.id, round=0, path_id=p.id, tokens=1, train_loss=1.0, status="accepted"
+                    lease_id=lease.id,
+                    run_id=run.id,
+                    round=0,
+                    path_id=p.id,
+                    tokens=1,
+                    train_loss=1.0,
+                    status=ContributionStatus.ACCEPTED,
                 )
                 s.add(c)
                 s.flush()
@@ -421,119 +447,104 @@ async def bench_islands(
     accepted = 0
     errors: list[str] = []
     try:
-        run, layout = create_debug_run(url, "islands", paths=paths, lease_ttl_s=60)
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as joiner:
-            joined = await asyncio.gather(
-                *[
-                    joiner.post("/v1/islands", json={"name": f"sim-{i}"}, headers={"Authorization": f"Bearer {JOIN}"})
-                    for i in range(n)
-                ]
-            )
-            # Before the clock starts: every island's client (an AsyncClient costs ~40 ms of CPU to make) and the
-            # payload (every path has the same tensor names and shapes), so the simulator's own start-up work does
-            # not show as coordinator latency.
-            clients = [httpx.AsyncClient(base_url=url, timeout=30) for _ in range(n)]
-            levels = [name.split(":")[0].strip() for name in layout.split(",")]
-            payload = grads_for(
-                {
-                    "run_id": run["id"],
-                    "lease_id": 0,
-                    "model": run["config"]["model"],
-                    "modules": [{"level": i, "level_name": name} for i, name in enumerate(levels)],
-                }
-            )
-            stop = time.monotonic() + seconds
-            rng = random.Random(0)
-            trace: list[tuple[float, str, float, int, float]] = []
-            t0 = time.perf_counter()
+        run = create_debug_run(url, "islands", paths=paths, lease_ttl_s=60)
+        # The simulated islands are asyncio tasks on raw `httpx.AsyncClient`s, not `CoordinatorClient`s: the client
+        # is synchronous (a thread per island would measure the simulator's threads rather than the coordinator),
+        # and each request here is timed on its own. They speak the same wire protocol: same paths, same
+        # `coordinator.schemas` headers. Joining happens before the clock starts, through the client.
+        with httpx.Client(base_url=url, timeout=30) as http:
+            joined = [CoordinatorClient(url, JOIN, http=http).join(f"sim-{i}") for i in range(n)]
+        # Before the clock starts: every island's client (an AsyncClient costs ~40 ms of CPU to make) and the
+        # payload (every path has the same tensor names and shapes), so the simulator's own start-up work does
+        # not show as coordinator latency.
+        clients = [httpx.AsyncClient(base_url=url, timeout=30) for _ in range(n)]
+        levels = [name.split(":")[0].strip() for name in run.layout.split(",")]
+        payload = grads_for(run.config["model"], run.layout, list(enumerate(levels)), seed=0)
+        stop = time.monotonic() + seconds
+        rng = random.Random(0)
+        trace: list[tuple[float, str, float, int, float]] = []
+        t0 = time.perf_counter()
 
-            async def timed(kind: str, coro: Any) -> httpx.Response:
-                t = time.perf_counter()
-                r = await coro
-                # a long-polled lease request is held on purpose while there is no work: not latency
-                held = float(r.headers.get("X-Dipaco-Held-Ms", 0))
-                latencies[kind].append((time.perf_counter() - t) * 1000 - held)
-                server = r.headers.get("Server-Timing", "").partition("dur=")[2]  # the coordinator's own time
-                if server:
-                    latencies.setdefault(f"{kind} (server)", []).append(float(server))
-                trace.append((t - t0, kind, latencies[kind][-1], r.status_code, held))
-                return r
+        async def timed(kind: str, coro: Any) -> httpx.Response:
+            t = time.perf_counter()
+            r = await coro
+            # a long-polled lease request is held on purpose while there is no work: not latency
+            held = float(r.headers.get(H_HELD, 0))
+            latencies[kind].append((time.perf_counter() - t) * 1000 - held)
+            server = r.headers.get("Server-Timing", "").partition("dur=")[2]  # the coordinator's own time
+            if server:
+                latencies.setdefault(f"{kind} (server)", []).append(float(server))
+            trace.append((t - t0, kind, latencies[kind][-1], r.status_code, held))
+            return r
 
-            async def heartbeats(client: httpx.AsyncClient, iid: int, h: dict[str, str]) -> None:
-                # like a real island: a heartbeat every interval, in the background
-                await asyncio.sleep(HEARTBEAT_S * (iid % 100) / 100)  # spread the islands over the interval
+        async def heartbeats(client: httpx.AsyncClient, iid: int, h: dict[str, str]) -> None:
+            # like a real island: a heartbeat every interval, in the background
+            await asyncio.sleep(HEARTBEAT_S * (iid % 100) / 100)  # spread the islands over the interval
+            while time.monotonic() < stop:
+                try:
+                    await timed("heartbeat", client.post(f"/v1/islands/{iid}/heartbeat", headers=h))
+                except httpx.HTTPError as exc:
+                    errors.append(f"heartbeat {exc!r}")
+                await asyncio.sleep(HEARTBEAT_S)
+
+        async def island(j: IslandJoined, client: httpx.AsyncClient, start_after: float) -> None:
+            nonlocal accepted
+            await asyncio.sleep(start_after)  # islands come up over `ramp_s`, as a pool of machines does
+            iid, h = j.island_id, {"Authorization": f"Bearer {j.token}"}
+            # like a real island: its own connections (a shared pool of hundreds of connections is slow)
+            async with client:
+                beat = asyncio.create_task(heartbeats(client, iid, h))
                 while time.monotonic() < stop:
                     try:
-                        await timed("heartbeat", client.post(f"/v1/islands/{iid}/heartbeat", headers=h))
+                        r = await timed(
+                            "lease",
+                            client.post(f"/v1/islands/{iid}/lease", params={"wait": LEASE_WAIT_S}, headers=h),
+                        )
                     except httpx.HTTPError as exc:
-                        errors.append(f"heartbeat {exc!r}")
-                    await asyncio.sleep(HEARTBEAT_S)
-
-            async def island(j: httpx.Response, client: httpx.AsyncClient, start_after: float) -> None:
-                nonlocal accepted
-                await asyncio.sleep(start_after)  # islands come up over `ramp_s`, as a pool of machines does
-                body = j.json()
-                iid, h = body["island_id"], {"Authorization": f"Bearer {body['token']}"}
-                # like a real island: its own connections (a shared pool of hundreds of connections is slow)
-                async with client:
-                    beat = asyncio.create_task(heartbeats(client, iid, h))
-                    while time.monotonic() < stop:
+                        errors.append(f"lease {exc!r}")
+                        continue
+                    if r.status_code == 200:
+                        lease = r.json()
+                        await asyncio.sleep(train_s * rng.uniform(0.7, 1.3))  # "training" (islands differ)
                         try:
-                            r = await timed(
-                                "lease",
-                                client.post(f"/v1/islands/{iid}/lease", params={"wait": LEASE_WAIT_S}, headers=h),
+                            u = await timed(
+                                "upload",
+                                client.post(
+                                    f"/v1/leases/{lease['lease_id']}/outer-gradients",
+                                    content=payload,
+                                    headers={**h, H_ROUND: str(lease["round"]), H_TOKENS: "1", H_TRAIN_LOSS: "1.0"},
+                                ),
                             )
                         except httpx.HTTPError as exc:
-                            errors.append(f"lease {exc!r}")
+                            errors.append(f"upload {exc!r}")
                             continue
-                        if r.status_code == 200:
-                            lease = r.json()
-                            await asyncio.sleep(train_s * rng.uniform(0.7, 1.3))  # "training" (islands differ)
-                            try:
-                                u = await timed(
-                                    "upload",
-                                    client.post(
-                                        f"/v1/leases/{lease['lease_id']}/outer-gradients",
-                                        content=payload,
-                                        headers={
-                                            **h,
-                                            "X-Dipaco-Round": str(lease["round"]),
-                                            "X-Dipaco-Tokens": "1",
-                                            "X-Dipaco-Train-Loss": "1.0",
-                                        },
-                                    ),
-                                )
-                            except httpx.HTTPError as exc:
-                                errors.append(f"upload {exc!r}")
-                                continue
-                            if u.status_code == 200:
-                                accepted += 1
-                            elif u.status_code != 409:
-                                errors.append(f"upload {u.status_code} {u.text[:200]}")
-                        elif r.status_code == 204:
-                            await asyncio.sleep(float(r.headers.get("Retry-After", "2")))
-                        else:
-                            errors.append(f"lease {r.status_code} {r.text[:200]}")
-                            await asyncio.sleep(1.0)
-                    await beat
+                        if u.status_code == 200:
+                            accepted += 1
+                        elif u.status_code != 409:
+                            errors.append(f"upload {u.status_code} {u.text[:200]}")
+                    elif r.status_code == 204:
+                        await asyncio.sleep(float(r.headers.get("Retry-After", "2")))
+                    else:
+                        errors.append(f"lease {r.status_code} {r.text[:200]}")
+                        await asyncio.sleep(1.0)
+                await beat
 
-            async def sample_cpu() -> None:  # where the two processes spend the box's two cores, once a second
-                while time.monotonic() < stop + 60:
-                    cpu.append((time.perf_counter() - t0, process_cpu_s(proc.pid), time.process_time()))
-                    await asyncio.sleep(1.0)
+        async def sample_cpu() -> None:  # where the two processes spend the box's two cores, once a second
+            while time.monotonic() < stop + 60:
+                cpu.append((time.perf_counter() - t0, process_cpu_s(proc.pid), time.process_time()))
+                await asyncio.sleep(1.0)
 
-            cpu: list[tuple[float, float, float]] = []
-            sampler = asyncio.create_task(sample_cpu())
-            await asyncio.gather(*[island(j, clients[i], ramp_s * i / n) for i, j in enumerate(joined)])
-            sampler.cancel()
-            cpu.append((time.perf_counter() - t0, process_cpu_s(proc.pid), time.process_time()))
-            if os.environ.get("BENCH_TRACE"):
-                Path(os.environ["BENCH_TRACE"]).write_text(json.dumps({"requests": trace, "cpu": cpu}))
+        cpu: list[tuple[float, float, float]] = []
+        sampler = asyncio.create_task(sample_cpu())
+        await asyncio.gather(*[island(j, clients[i], ramp_s * i / n) for i, j in enumerate(joined)])
+        sampler.cancel()
+        cpu.append((time.perf_counter() - t0, process_cpu_s(proc.pid), time.process_time()))
+        if os.environ.get("BENCH_TRACE"):
+            Path(os.environ["BENCH_TRACE"]).write_text(json.dumps({"requests": trace, "cpu": cpu}))
         # an overloaded coordinator is still working through requests whose clients gave up: give it time
-        with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
-            stored = admin.get("/v1/contributions", params={"run_id": run["id"], "limit": 1}).json()["count"]
-            rounds = admin.get(f"/v1/runs/{run['id']}").json()["current_round"]
+        with CoordinatorClient(url, ADMIN, timeout=httpx.Timeout(300.0)) as admin:
+            stored = len(admin.contributions(run_id=run.id))
+            rounds = admin.run(run.id).current_round
     finally:
         proc.terminate()
         proc.wait()
@@ -549,7 +560,7 @@ async def bench_islands(
     return {
         "bench": "islands",
         "islands": n,
-        "paths": run["num_paths"],
+        "paths": run.num_paths,
         "workers": workers,
         "seconds": seconds,
         "train_s": train_s,
@@ -587,16 +598,15 @@ def bench_cost(n: int) -> dict[str, Any]:
     proc, url = start_coordinator(tmp / "coordinator", url_db)
     rows: dict[str, dict[str, float]] = {}
     try:
-        run, _ = create_debug_run(url, "cost", paths=256, lease_ttl_s=600)
-        paths = run["num_paths"]
+        run = create_debug_run(url, "cost", paths=256, lease_ttl_s=600)
+        paths = run.num_paths
         n = min(n, paths)
-        with httpx.Client(base_url=url, timeout=60) as c:
-            joined = [
-                c.post("/v1/islands", json={"name": f"c{i}"}, headers={"Authorization": f"Bearer {JOIN}"}).json()
-                for i in range(paths)
-            ]
-            auth = [{"Authorization": f"Bearer {j['token']}"} for j in joined]
-            leases: list[dict[str, Any]] = []
+        # one client per island on one shared connection pool; one attempt each: a failure is a finding
+        with httpx.Client(base_url=url, timeout=60) as http:
+            islands = [CoordinatorClient(url, JOIN, http=http, retry=RetryPolicy.once()) for _ in range(paths)]
+            for i, island in enumerate(islands):
+                island.join(f"c{i}")
+            leases: list[LeasePublic] = []
 
             def measure(kind: str, count: int, one: Any) -> list[Any]:
                 out = []
@@ -607,41 +617,29 @@ def bench_cost(n: int) -> dict[str, Any]:
                 rows[kind] = {"n": count, "cpu_ms": 1000 * cpu / count, "wall_ms": 1000 * wall / count}
                 return out
 
-            def lease(i: int, expect: int = 200) -> Any:
-                r = c.post(f"/v1/islands/{joined[i]['island_id']}/lease", headers=auth[i])
-                assert r.status_code == expect, (r.status_code, r.text)
-                return r.json() if expect == 200 else None
+            def lease(i: int) -> LeasePublic:
+                granted = islands[i].lease()
+                assert granted is not None, islands[i].idle
+                return granted
+
+            def idle_poll(i: int) -> None:
+                assert islands[i].lease() is None
 
             def upload(i: int) -> None:
-                body = payload(leases[i])
-                r = c.post(
-                    f"/v1/leases/{leases[i]['lease_id']}/outer-gradients",
-                    content=body,
-                    headers={
-                        **auth[i],
-                        "X-Dipaco-Round": str(leases[i]["round"]),
-                        "X-Dipaco-Tokens": "1",
-                        "X-Dipaco-Train-Loss": "1.0",
-                    },
-                )
-                assert r.status_code == 200, r.text
-                rows.setdefault("_applied", {})["round"] = float(r.json()["round_applied"])
+                done = islands[i].upload(leases[i], payload(leases[i]), tokens=1, train_loss=1.0)
+                rows.setdefault("_applied", {})["round"] = float(done.round_applied)
 
             payloads: dict[int, bytes] = {}
 
-            def payload(lease: dict[str, Any]) -> bytes:
-                return payloads.setdefault(len(lease["modules"]), grads_for(lease))
+            def payload(lease: LeasePublic) -> bytes:
+                return payloads.setdefault(len(lease.modules), lease_grads(lease))
 
-            measure("healthz", n, lambda i: c.get("/healthz").raise_for_status())
+            measure("healthz", n, lambda i: islands[0].health())
             leases = measure("lease grant", n, lease)
             leases += [lease(i) for i in range(n, paths)]
             payload(leases[0])
-            measure(
-                "heartbeat",
-                n,
-                lambda i: c.post(f"/v1/islands/{joined[i]['island_id']}/heartbeat", headers=auth[i]).raise_for_status(),
-            )
-            measure("idle lease poll", n, lambda i: lease(i, 204))
+            measure("heartbeat", n, lambda i: islands[i].heartbeat())
+            measure("idle lease poll", n, idle_poll)
             measure("upload", n, upload)
             rest = range(n, paths - 1)
             for i in rest:

@@ -22,7 +22,6 @@ import io
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,10 @@ import numpy as np
 import torch
 from rich.console import Console
 
+from coordinator.client import CoordinatorClient, CoordinatorUnavailable
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
+from coordinator.states import LeaseStatus
+from island.distributed import free_port
 from island.heartbeat import Heartbeater
 from island.worker import Island, IslandConfig, LeaseResult
 from modules import InnerConfig, ModelConfig, PathModel, batches_from_tokens, build_path, flavour, init_state
@@ -80,7 +82,7 @@ def fake_lease(cfg: ModelConfig, inner: InnerConfig, steps: int) -> LeasePublic:
         epoch=0,
         seed=0,
         expires_at=datetime(2030, 1, 1, tzinfo=UTC),
-        status="active",
+        status=LeaseStatus.ACTIVE,
     )
 
 
@@ -124,15 +126,9 @@ def bench_inner(cfg: ModelConfig, *, steps: int, reps: int, batch_size: int) -> 
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def coordinator(tmp: Path, admin: str, join: str) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DIPACO_ADMIN_TOKEN": admin, "DIPACO_JOIN_TOKEN": join}
     log = (tmp / "coordinator.log").open("ab")
     proc = subprocess.Popen(
@@ -143,13 +139,14 @@ def coordinator(tmp: Path, admin: str, join: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+        with CoordinatorClient(url, admin, timeout=httpx.Timeout(2.0)) as probe:
+            while True:
+                with contextlib.suppress(CoordinatorUnavailable):
+                    probe.health(give_up_after_s=0)
                     break
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"coordinator did not start; see {tmp / 'coordinator.log'}")
-            time.sleep(0.2)
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"coordinator did not start; see {tmp / 'coordinator.log'}")
+                time.sleep(0.2)
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -168,14 +165,12 @@ def bench_round(flavour_name: str, *, steps: int, rounds: int, batch_size: int) 
             "inner_steps": steps,
             "num_rounds": rounds,
         }
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=60) as client:
-            run = client.post("/v1/runs", json=spec).raise_for_status().json()
+        with CoordinatorClient(url, admin) as client:
+            run = client.create_run(spec)
             need = rounds * steps * batch_size * cfg.seq_len + 1
             body = np.random.default_rng(0).integers(0, 256, need).astype("<u2").tobytes()
-            client.post(f"/v1/runs/{run['id']}/shards/0", params={"num_documents": 1}, content=body).raise_for_status()
-            params = sum(
-                m["num_params"] for m in client.get("/v1/modules", params={"run_id": run["id"]}).json()["data"]
-            )
+            client.register_shard(run.id, 0, body, num_documents=1)
+            params = sum(m.num_params for m in client.modules(run_id=run.id))
         island = Island(
             IslandConfig(
                 coordinator=url, token=join, cache_dir=Path(d) / "island", device="cpu", quiet=True,

@@ -1,15 +1,19 @@
-"""`dipaco registry runs|modules|paths|islands`: read the registry over REST; tables, or JSON with --json."""
+"""`dipaco registry runs|modules|paths|islands`: read the registry through the coordinator client; tables, or
+JSON with --json."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
-import httpx
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
+
+from coordinator.client import ClientError, CoordinatorClient, RetryPolicy
 
 app = typer.Typer(help="Query the registry of a running coordinator.", no_args_is_help=True)
 
@@ -29,27 +33,24 @@ COLUMNS: dict[str, list[str]] = {
 }
 
 
-def fetch(coordinator: str, token: str | None, resource: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+def fetch(
+    ctx: typer.Context,
+    coordinator: str,
+    token: str | None,
+    read: Callable[[CoordinatorClient], Sequence[BaseModel]],
+) -> list[dict[str, Any]]:
+    """Every row `read` returns, as JSON-ready dicts. Client errors become one red line on stderr and exit code 1.
+
+    `ctx.obj`, when set, is the HTTP client to talk through (tests pass the coordinator app's TestClient)."""
     token = token or os.environ.get("DIPACO_TOKEN") or os.environ.get("DIPACO_ADMIN_TOKEN")
     if not token:
         raise typer.BadParameter("no token: pass --token or set DIPACO_TOKEN / DIPACO_ADMIN_TOKEN")
-    rows: list[dict[str, Any]] = []
-    with httpx.Client(base_url=coordinator, timeout=httpx.Timeout(30.0)) as client:
-        offset = 0
-        while True:
-            query = {k: v for k, v in params.items() if v is not None} | {"offset": offset, "limit": 1000}
-            try:
-                r = client.get(f"/v1/{resource}", params=query, headers={"Authorization": f"Bearer {token}"})
-            except httpx.HTTPError as exc:
-                raise typer.BadParameter(f"cannot reach the coordinator at {coordinator}: {exc}") from exc
-            if r.status_code != 200:
-                detail = r.json().get("detail") if r.headers.get("content-type") == "application/json" else r.text
-                raise typer.BadParameter(f"GET /v1/{resource} -> {r.status_code}: {detail}")
-            body = r.json()
-            rows.extend(body["data"])
-            offset += len(body["data"])
-            if offset >= body["count"] or not body["data"]:
-                return rows
+    try:
+        with CoordinatorClient(coordinator, token, http=ctx.obj, retry=RetryPolicy.once()) as client:
+            return [row.model_dump(mode="json") for row in read(client)]
+    except ClientError as exc:  # on stderr: stdout may be piped JSON
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(code=1) from exc
 
 
 def show(resource: str, rows: list[dict[str, Any]], as_json: bool) -> None:
@@ -74,13 +75,19 @@ def show(resource: str, rows: list[dict[str, Any]], as_json: bool) -> None:
 
 
 @app.command()
-def runs(coordinator: CoordinatorOpt = "http://127.0.0.1:8000", token: TokenOpt = None, json_: JsonOpt = False) -> None:
+def runs(
+    ctx: typer.Context,
+    coordinator: CoordinatorOpt = "http://127.0.0.1:8000",
+    token: TokenOpt = None,
+    json_: JsonOpt = False,
+) -> None:
     """Runs: status, round, layout."""
-    show("runs", fetch(coordinator, token, "runs", {}), json_)
+    show("runs", fetch(ctx, coordinator, token, lambda c: c.runs()), json_)
 
 
 @app.command()
 def modules(
+    ctx: typer.Context,
     coordinator: CoordinatorOpt = "http://127.0.0.1:8000",
     token: TokenOpt = None,
     json_: JsonOpt = False,
@@ -88,23 +95,27 @@ def modules(
     level: Annotated[int | None, typer.Option(help="Only this level")] = None,
 ) -> None:
     """Modules: one row per module, with its level, index and version."""
-    show("modules", fetch(coordinator, token, "modules", {"run_id": run_id, "level": level}), json_)
+    show("modules", fetch(ctx, coordinator, token, lambda c: c.modules(run_id=run_id, level=level)), json_)
 
 
 @app.command()
 def paths(
+    ctx: typer.Context,
     coordinator: CoordinatorOpt = "http://127.0.0.1:8000",
     token: TokenOpt = None,
     json_: JsonOpt = False,
     run_id: RunOpt = None,
 ) -> None:
     """Paths: the module index on each level, tokens trained, last train loss."""
-    show("paths", fetch(coordinator, token, "paths", {"run_id": run_id}), json_)
+    show("paths", fetch(ctx, coordinator, token, lambda c: c.paths(run_id=run_id)), json_)
 
 
 @app.command()
 def islands(
-    coordinator: CoordinatorOpt = "http://127.0.0.1:8000", token: TokenOpt = None, json_: JsonOpt = False
+    ctx: typer.Context,
+    coordinator: CoordinatorOpt = "http://127.0.0.1:8000",
+    token: TokenOpt = None,
+    json_: JsonOpt = False,
 ) -> None:
     """Islands that joined, with status and last heartbeat."""
-    show("islands", fetch(coordinator, token, "islands", {}), json_)
+    show("islands", fetch(ctx, coordinator, token, lambda c: c.islands()), json_)

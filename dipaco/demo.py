@@ -16,13 +16,15 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.client import CoordinatorClient
+from coordinator.schemas import RunPublic
+from coordinator.states import RunStatus
 from dipaco.service import LocalService
 from router.shards import load_manifest
 
@@ -52,13 +54,17 @@ def demo(
     flavour: Annotated[str, typer.Option(help="Model flavour: debug, small")] = "debug",
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
     docs_per_domain: Annotated[int, typer.Option(min=10, help="Corpus size")] = 300,
-    compare: Annotated[bool, typer.Option(
-        help="End with the quality comparison: dense-S, flat 4 and a 2x-wide dense trained like the 2x2 run, "
-        "held-out perplexity per round, table + PNG plot")] = True,
-    cross_check: Annotated[bool, typer.Option(
-        help="With --compare: re-train dense-S in-process (modules.simulate) and compare")] = True,
-    eval_docs: Annotated[int, typer.Option(min=2, help="Held-out documents scored per round (stable subsample)")]
-    = 48,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            help="End with the quality comparison: dense-S, flat 4 and a 2x-wide dense trained like the 2x2 run, "
+            "held-out perplexity per round, table + PNG plot"
+        ),
+    ] = True,
+    cross_check: Annotated[
+        bool, typer.Option(help="With --compare: re-train dense-S in-process (modules.simulate) and compare")
+    ] = True,
+    eval_docs: Annotated[int, typer.Option(min=2, help="Held-out documents scored per round (stable subsample)")] = 48,
 ) -> None:
     """Run everything on this machine: coordinator, corpus, router, a 2x2 run and island subprocesses; then
     compare held-out perplexity against dense baselines and a flat 4-expert layout."""
@@ -71,8 +77,9 @@ def demo(
     logs.mkdir()
     steps = 6 if compare else 5
     console.rule("[bold]dipaco demo")
-    settings = QualitySettings(rounds=rounds, inner_steps=inner_steps, batch_size=batch_size, max_islands=islands,
-                               eval_docs=eval_docs)
+    settings = QualitySettings(
+        rounds=rounds, inner_steps=inner_steps, batch_size=batch_size, max_islands=islands, eval_docs=eval_docs
+    )
     # SIGTERM ends the demo like Ctrl-C: the `finally` below stops the coordinator and the islands.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     contenders = standard_contenders(flavour)
@@ -101,26 +108,37 @@ def demo(
         client = service.client
         run = service.create_run(run_spec(grid, settings, name="demo-2x2"))
         console.print(
-            f"    run {run['id']} '{run['name']}': layout {run['layout']}, {run['num_paths']} paths, "
+            f"    run {run.id} '{run.name}': layout {run.layout}, {run.num_paths} paths, "
             f"{rounds} rounds x H={inner_steps}"
         )
-        from router.cli import register_shards
+        from dipaco.router_commands import register_shards
 
-        console.print(f"[bold]4/{steps}[/] starting {islands} island(s) as subprocesses; the shards are registered "
-                      "once all have joined (each island then keeps one path)")
+        console.print(
+            f"[bold]4/{steps}[/] starting {islands} island(s) as subprocesses; the shards are registered "
+            "once all have joined (each island then keeps one path)"
+        )
         names = service.start_islands(islands, prefix="island", cache_root=workdir)
         service.wait_islands_joined(names)
-        register_shards(shards_dir, client=client, run_id=run["id"])
-        losses = _watch(service, run["id"])
+        register_shards(shards_dir, client=client, run_id=run.id)
+        losses = _watch(service, run.id)
 
         console.print(f"[bold]5/{steps}[/] done; stopping the islands")
         service.stop_islands()
-        _report(client, run["id"], losses)
+        _report(client, run.id, losses)
         if compare:
-            console.print(f"[bold]6/{steps}[/] quality: dense-S, flat 4 and a 2x-wide dense, same steps per path, "
-                          "held-out perplexity per round")
-            _compare(service, workdir, settings, contenders, demo_run=run["id"], reuse=islands >= grid.num_paths,
-                     cross_check=cross_check)
+            console.print(
+                f"[bold]6/{steps}[/] quality: dense-S, flat 4 and a 2x-wide dense, same steps per path, "
+                "held-out perplexity per round"
+            )
+            _compare(
+                service,
+                workdir,
+                settings,
+                contenders,
+                demo_run=run.id,
+                reuse=islands >= grid.num_paths,
+                cross_check=cross_check,
+            )
         ok = True
     finally:
         service.stop()
@@ -137,33 +155,55 @@ def demo(
         f"dipaco coordinator serve --data-dir {coord_dir} --port {service.port}\n"
         f"  DIPACO_TOKEN={admin} dipaco registry modules --coordinator {service.url}"
     )
-    (workdir / "summary.json").write_text(json.dumps({"run_id": run["id"], "losses": losses}, indent=2))
+    (workdir / "summary.json").write_text(json.dumps({"run_id": run.id, "losses": losses}, indent=2))
     console.print(f"finished in {time.monotonic() - started:.0f} s")
 
 
 def _compare(
-    service: LocalService, workdir: Path, settings: QualitySettings, contenders: list[Contender], *, demo_run: int,
-    reuse: bool, cross_check: bool,
+    service: LocalService,
+    workdir: Path,
+    settings: QualitySettings,
+    contenders: list[Contender],
+    *,
+    demo_run: int,
+    reuse: bool,
+    cross_check: bool,
 ) -> None:
     from dipaco import quality_report as qr
     from dipaco.quality import cross_check as run_cross_check
     from dipaco.quality import run_comparison
 
     existing = {"DiPaCo 2x2": demo_run} if reuse else {}
-    results = run_comparison(service, contenders, settings, corpus_dir=workdir / "corpus", workdir=workdir,
-                             existing=existing, log=console.print)
+    results = run_comparison(
+        service,
+        contenders,
+        settings,
+        corpus_dir=workdir / "corpus",
+        workdir=workdir,
+        existing=existing,
+        log=console.print,
+    )
     console.print(qr.rounds_table(results))
-    console.print(qr.comparison_table(results, title=f"held-out routed perplexity after {settings.rounds} rounds "
-                                      f"x H={settings.inner_steps} (quick setting)"))
+    console.print(
+        qr.comparison_table(
+            results,
+            title=f"held-out routed perplexity after {settings.rounds} rounds "
+            f"x H={settings.inner_steps} (quick setting)",
+        )
+    )
     console.print(qr.targets_table(qr.targets(results)))
     console.print("    (quick setting: the targets are judged by `python bench/quality.py`, see docs/QUALITY.md)")
     if cross_check:
         dense = next(c for c in contenders if c.name == qr.DENSE_S)
-        check = run_cross_check(qr.find(results, qr.DENSE_S) or results[0], dense, settings,
-                                corpus_dir=workdir / "corpus", workdir=workdir)
+        check = run_cross_check(
+            qr.find(results, qr.DENSE_S) or results[0], dense, settings, corpus_dir=workdir / "corpus", workdir=workdir
+        )
         console.print(qr.cross_check_table([check]))
-    png = qr.plot(results, workdir / "quality.png",
-                  title=f"held-out perplexity, {settings.rounds} rounds x H={settings.inner_steps}")
+    png = qr.plot(
+        results,
+        workdir / "quality.png",
+        title=f"held-out perplexity, {settings.rounds} rounds x H={settings.inner_steps}",
+    )
     (workdir / "quality.json").write_text(json.dumps([r.to_dict() for r in results], indent=2))
     console.print(f"plot:     {png}")
     console.print(f"numbers:  {workdir / 'quality.json'}")
@@ -176,12 +216,12 @@ def _watch(service: LocalService, run_id: int) -> dict[int, dict[int, float]]:
     printed = 0
     losses: dict[int, dict[int, float]] = {}
 
-    def on_poll(run: dict[str, Any]) -> None:
+    def on_poll(run: RunPublic) -> None:
         nonlocal printed, losses
-        if printed >= run["current_round"] and run["status"] != "finished":
+        if printed >= run.current_round and run.status != RunStatus.FINISHED:
             return
         losses = train_losses(service.client, run_id)
-        while printed < run["current_round"]:
+        while printed < run.current_round:
             row = losses.get(printed, {})
             cells = "  ".join(f"path {p}: {row[p]:.3f}" for p in sorted(row))
             console.print(f"    round {printed}: {cells}")
@@ -191,7 +231,7 @@ def _watch(service: LocalService, run_id: int) -> dict[int, dict[int, float]]:
     return losses
 
 
-def _report(client: httpx.Client, run_id: int, losses: dict[int, dict[int, float]]) -> None:
+def _report(client: CoordinatorClient, run_id: int, losses: dict[int, dict[int, float]]) -> None:
     table = Table(title="mean inner train loss per round (nats/token)")
     paths = sorted({p for row in losses.values() for p in row})
     table.add_column("round")
@@ -200,20 +240,19 @@ def _report(client: httpx.Client, run_id: int, losses: dict[int, dict[int, float
     for rnd in sorted(losses):
         table.add_row(str(rnd), *(f"{losses[rnd].get(p, float('nan')):.3f}" for p in paths))
     console.print(table)
-    modules = client.get("/v1/modules", params={"run_id": run_id}).json()["data"]
     mt = Table(title="modules")
     for col in ("id", "level", "level_name", "index", "sharing", "version", "params", "weights"):
         mt.add_column(col)
-    for m in modules:
+    for m in client.modules(run_id=run_id):
         mt.add_row(
-            str(m["id"]),
-            str(m["level"]),
-            m["level_name"],
-            str(m["index"]),
-            m["sharing"],
-            str(m["version"]),
-            str(m["num_params"]),
-            m["weights_hash"][:12],
+            str(m.id),
+            str(m.level),
+            m.level_name,
+            str(m.index),
+            m.sharing,
+            str(m.version),
+            str(m.num_params),
+            m.weights_hash[:12],
         )
     console.print(mt)
     first, last = min(losses), max(losses)

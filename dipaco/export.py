@@ -21,16 +21,15 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import torch
 import typer
 from rich.console import Console
 from safetensors.torch import load_file, save_file
 
+from coordinator.client import ClientError, CoordinatorClient
+from dipaco.commands import connect, require_token
+from dipaco.evaluation import EvalError, fetch_run_paths, load_router
 from modules import ModelConfig, PathModel, compose_state
-
-# `_client`: the commands' one HTTP client, shared with `dipaco eval` (tests swap it here)
-from router.eval_cli import EvalError, _client, fetch_run_paths, load_router
 from router.router import RouterError
 from router.tokenizer import ByteTokenizer
 from router.user_errors import user_errors
@@ -43,25 +42,32 @@ class ExportError(RuntimeError):
     """A path cannot be exported, or an export directory cannot be loaded."""
 
 
-def path_state(client: httpx.Client, *, run_id: int, path_index: int) -> tuple[ModelConfig, dict[str, Any],
-                                                                                 dict[str, torch.Tensor]]:
-    """(model config, provenance, state dict) of one path at the modules' current versions, over REST."""
+def path_state(
+    client: CoordinatorClient, *, run_id: int, path_index: int
+) -> tuple[ModelConfig, dict[str, Any], dict[str, torch.Tensor]]:
+    """(model config, provenance, state dict) of one path at the modules' current versions, from the coordinator."""
     run_paths = fetch_run_paths(client, run_id)
     if not 0 <= path_index < run_paths.num_paths:
         raise ExportError(f"run {run_id} has {run_paths.num_paths} path(s); path {path_index} does not exist")
     modules = run_paths.modules[path_index]
     state = compose_state([run_paths.weights(m) for m in modules])
     provenance = {
-        "run_id": run_id, "run_name": run_paths.run["name"], "path_index": path_index,
-        "layout": run_paths.run["layout"], "round": run_paths.run["current_round"],
-        "modules": [{"id": m["id"], "level": m["level_name"], "index": m["index"], "version": m["version"],
-                     "sha256": m["weights_hash"]} for m in modules],
+        "run_id": run_id,
+        "run_name": run_paths.run.name,
+        "path_index": path_index,
+        "layout": run_paths.run.layout,
+        "round": run_paths.run.current_round,
+        "modules": [
+            {"id": m.id, "level": m.level_name, "index": m.index, "version": m.version, "sha256": m.weights_hash}
+            for m in modules
+        ],
     }
     return run_paths.config, provenance, state
 
 
-def save_export(out_dir: Path, cfg: ModelConfig, state: dict[str, torch.Tensor],
-                provenance: dict[str, Any] | None = None) -> Path:
+def save_export(
+    out_dir: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], provenance: dict[str, Any] | None = None
+) -> Path:
     """Write `model.safetensors` then `config.json` (each via a temporary file and rename)."""
     PathModel(cfg).load_state_dict(state, strict=True)  # refuse an export that would not load
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +82,7 @@ def save_export(out_dir: Path, cfg: ModelConfig, state: dict[str, torch.Tensor],
     return out_dir
 
 
-def export_path(client: httpx.Client, *, run_id: int, path_index: int, out_dir: Path) -> dict[str, Any]:
+def export_path(client: CoordinatorClient, *, run_id: int, path_index: int, out_dir: Path) -> dict[str, Any]:
     """Export one path of a run; returns its provenance."""
     cfg, provenance, state = path_state(client, run_id=run_id, path_index=path_index)
     save_export(out_dir, cfg, state, provenance)
@@ -98,8 +104,15 @@ def load_exported(directory: Path) -> PathModel:
 
 
 @torch.no_grad()
-def generate(model: PathModel, prompt: list[int], *, max_new_tokens: int, temperature: float = 1.0,
-             seed: int = 0, stop_at_eos: bool = True) -> list[int]:
+def generate(
+    model: PathModel,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+) -> list[int]:
     """Sample up to `max_new_tokens` tokens after `prompt` (only the new tokens are returned); the context is the
     last `seq_len` tokens. temperature 0: greedy. Stops after EOS when `stop_at_eos`."""
     if temperature < 0 or max_new_tokens < 0:
@@ -110,7 +123,7 @@ def generate(model: PathModel, prompt: list[int], *, max_new_tokens: int, temper
     ids = list(prompt) or [ByteTokenizer.EOS]  # an empty prompt starts as if after a document boundary
     out: list[int] = []
     for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-model.cfg.seq_len:]], dtype=torch.long, device=device)
+        window = torch.tensor([ids[-model.cfg.seq_len :]], dtype=torch.long, device=device)
         logits = model(window)[0, -1].float().cpu()
         if temperature == 0:
             nxt = int(torch.argmax(logits))
@@ -124,7 +137,7 @@ def generate(model: PathModel, prompt: list[int], *, max_new_tokens: int, temper
     return out
 
 
-def routed_model(client: httpx.Client, *, run_id: int, router_dir: Path, prompt: str) -> tuple[PathModel, int]:
+def routed_model(client: CoordinatorClient, *, run_id: int, router_dir: Path, prompt: str) -> tuple[PathModel, int]:
     """The run's path that the prompt's prefix routes to, built from the current module versions."""
     router = load_router(router_dir)
     run_paths = fetch_run_paths(client, run_id)
@@ -138,18 +151,11 @@ def routed_model(client: httpx.Client, *, run_id: int, router_dir: Path, prompt:
 
 
 def _user_errors(console: Console) -> contextlib.AbstractContextManager[None]:
-    return user_errors(console, ExportError, EvalError, RouterError, ValueError)
-
-
-def _token(token: str, console: Console) -> str:
-    token = token or os.environ.get("DIPACO_ADMIN_TOKEN", "")
-    if not token:
-        console.print("[red]error:[/red] no token: pass --token or set DIPACO_TOKEN")
-        raise typer.Exit(code=1)
-    return token
+    return user_errors(console, ExportError, EvalError, RouterError, ClientError, ValueError)
 
 
 def export_command(
+    ctx: typer.Context,
     coordinator: Annotated[str, typer.Option(help="Coordinator base URL, e.g. http://127.0.0.1:8000.")],
     run: Annotated[int, typer.Option(help="Run id.")],
     path: Annotated[int, typer.Option(min=0, help="Path index to export.")],
@@ -158,19 +164,22 @@ def export_command(
 ) -> None:
     """Export one path of a run (current module versions) as a standalone safetensors file + config.json."""
     console = Console()
-    with _user_errors(console), _client(coordinator, _token(token, console)) as client:
+    token = require_token(console, token)
+    with _user_errors(console), connect(ctx, coordinator, token) as client:
         provenance = export_path(client, run_id=run, path_index=path, out_dir=out)
     versions = ", ".join(f"{m['level']}[{m['index']}]@v{m['version']}" for m in provenance["modules"])
     console.print(f"exported run {run} path {path} (round {provenance['round']}; {versions}) to {out}")
 
 
 def generate_command(
+    ctx: typer.Context,
     prompt: Annotated[str, typer.Option(help="Text to continue.")] = "",
     source: Annotated[Path | None, typer.Option("--from", help="An export directory (from `dipaco export`).")] = None,
     coordinator: Annotated[str | None, typer.Option(help="Coordinator URL (with --run and --router).")] = None,
     run: Annotated[int | None, typer.Option(help="Run id: the prompt's prefix picks the path.")] = None,
-    router: Annotated[Path | None, typer.Option(help="Router directory, or the shard directory holding router/.")]
-    = None,
+    router: Annotated[
+        Path | None, typer.Option(help="Router directory, or the shard directory holding router/.")
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option(min=0, help="Tokens (bytes) to sample.")] = 200,
     temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy.")] = 0.8,
     seed: Annotated[int, typer.Option(help="Sampling seed: the same seed gives the same text.")] = 0,
@@ -187,7 +196,7 @@ def generate_command(
         else:
             if not (coordinator and run is not None and router):
                 raise ExportError("give --from DIR, or all of --coordinator, --run and --router")
-            with _client(coordinator, _token(token, console)) as client:
+            with connect(ctx, coordinator, require_token(console, token)) as client:
                 model, path = routed_model(client, run_id=run, router_dir=router, prompt=prompt)
             where = f"run {run}, path {path} (routed by the prompt's first 32 tokens)"
         ids = generate(model, tok.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)

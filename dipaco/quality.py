@@ -28,12 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 from torch import nn
 
-from dipaco.service import LocalService, ServiceError
+from coordinator.client import CoordinatorClient
+from coordinator.schemas import RunCreate
+from dipaco.evaluation import fetch_run_paths, load_documents
+from dipaco.router_commands import register_shards
+from dipaco.service import LocalService
 from modules import (
     InnerConfig,
     ModelConfig,
@@ -46,10 +49,9 @@ from modules import (
 )
 from modules.layout import Layout
 from router.corpus import build_local_corpus
-from router.eval_cli import fetch_run_paths, load_documents
 from router.evaluate import EvalResult, SinglePathRouter, evaluate_routed
 from router.router import Router
-from router.shards import ROUTER_DIR, load_manifest, shard_corpus
+from router.shards import ROUTER_DIR, ShardOptions, load_manifest, shard_corpus
 
 Tensors = dict[str, torch.Tensor]
 Log = Callable[[str], None]
@@ -125,8 +127,9 @@ def standard_contenders(
         Contender(name="dense-S", model=base, layout=dense_layout(n)),
         Contender(name="DiPaCo 2x2", model=base, layout=grid.format(k=2), levels=(2, 2)),
         Contender(name="flat 4", model=base, layout=f"embed:shared, b0-{n - 1}:routed4, head:shared", levels=(4,)),
-        Contender(name=f"dense-{width_factor}w", model={**base, "d_model": cfg.d_model * width_factor},
-                  layout=dense_layout(n)),
+        Contender(
+            name=f"dense-{width_factor}w", model={**base, "d_model": cfg.d_model * width_factor}, layout=dense_layout(n)
+        ),
     ]
     if with_4x4:
         out.append(Contender(name="DiPaCo 4x4", model=base, layout=grid.format(k=4), levels=(4, 4)))
@@ -221,25 +224,41 @@ class ModelResult:
         """Per-path early stopping (§2.7): each path at its round of lowest validation loss, scored on test."""
         nll = tok = 0.0
         for p in range(self.num_paths):
+
             def val_loss(i: int, p: int = p) -> float:
                 n, t = self.halves[i]["val"][p]
                 return n / t if t else math.inf
-            best = min(range(len(self.rounds)), key=val_loss) if any(
-                self.halves[i]["val"][p][1] for i in range(len(self.rounds))) else len(self.rounds) - 1
+
+            best = (
+                min(range(len(self.rounds)), key=val_loss)
+                if any(self.halves[i]["val"][p][1] for i in range(len(self.rounds)))
+                else len(self.rounds) - 1
+            )
             n, t = self.halves[best]["test"][p]
             nll, tok = nll + n, tok + t
         return math.exp(nll / tok) if tok else math.nan
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "layout": self.layout, "num_paths": self.num_paths, "path_params": self.path_params,
-            "total_params": self.total_params, "steps_per_path": self.steps_per_path,
-            "tokens_per_path": self.tokens_per_path, "rounds": self.rounds, "ppl_per_round": self.ppl_per_round,
-            "final_ppl": self.final_ppl, "final_test_ppl": self.final_test_ppl,
-            "early_stopped_test_ppl": self.early_stopped_test_ppl, "train_loss": self.train_loss,
-            "run_id": self.run_id, "purity": self.purity, "reroute_ppl": self.reroute_ppl,
+            "name": self.name,
+            "layout": self.layout,
+            "num_paths": self.num_paths,
+            "path_params": self.path_params,
+            "total_params": self.total_params,
+            "steps_per_path": self.steps_per_path,
+            "tokens_per_path": self.tokens_per_path,
+            "rounds": self.rounds,
+            "ppl_per_round": self.ppl_per_round,
+            "final_ppl": self.final_ppl,
+            "final_test_ppl": self.final_test_ppl,
+            "early_stopped_test_ppl": self.early_stopped_test_ppl,
+            "train_loss": self.train_loss,
+            "run_id": self.run_id,
+            "purity": self.purity,
+            "reroute_ppl": self.reroute_ppl,
             "island_switches": self.island_switches,
-            "train_s": round(self.train_s, 1), "eval_s": round(self.eval_s, 1),
+            "train_s": round(self.train_s, 1),
+            "eval_s": round(self.eval_s, 1),
         }
 
 
@@ -272,27 +291,33 @@ def shards_for(corpus_dir: Path, root: Path, levels: tuple[int, ...], *, routing
     if (out / "manifest.json").is_file():
         load_manifest(out)
         return out
-    shard_corpus(corpus_dir, out, num_paths=num_paths, seed=seed, levels=list(levels) if product else None)
+    options = ShardOptions(num_paths=num_paths, seed=seed, levels=list(levels) if product else None)
+    shard_corpus(corpus_dir, out, options)
     return out
 
 
 def shard_tokens(shards_dir: Path) -> list[torch.Tensor]:
     manifest = load_manifest(shards_dir)
-    return [torch.from_numpy(np.fromfile(shards_dir / s["file"], dtype="<u2").astype(np.int64))
-            for s in sorted(manifest["shards"], key=lambda s: s["path_index"])]
+    return [
+        torch.from_numpy(np.fromfile(shards_dir / s["file"], dtype="<u2").astype(np.int64))
+        for s in sorted(manifest["shards"], key=lambda s: s["path_index"])
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ training
 
 
-def run_spec(contender: Contender, settings: QualitySettings, *, name: str) -> dict[str, Any]:
-    """The `POST /v1/runs` body of one contender."""
-    return {
+def run_spec(contender: Contender, settings: QualitySettings, *, name: str) -> RunCreate:
+    """The run of one contender (what is not set here takes the coordinator's defaults)."""
+    spec = {
         "name": name,
         "model": contender.model,
         "layout": contender.layout,
-        "inner": {"batch_size": settings.batch_size, "lr": settings.lr,
-                  "warmup_steps": min(settings.warmup_steps, settings.inner_steps * settings.rounds)},
+        "inner": {
+            "batch_size": settings.batch_size,
+            "lr": settings.lr,
+            "warmup_steps": min(settings.warmup_steps, settings.inner_steps * settings.rounds),
+        },
         # (warmup stays the same number of steps for a token_factor reference)
         "outer": {"lr": settings.outer_lr, "momentum": settings.outer_momentum},
         "inner_steps": settings.inner_steps * contender.token_factor,
@@ -300,31 +325,23 @@ def run_spec(contender: Contender, settings: QualitySettings, *, name: str) -> d
         "seed": settings.seed,
         "lease_ttl_s": 120,
     }
+    return RunCreate.model_validate(spec)
 
 
-def contributions(client: httpx.Client, run_id: int) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    while True:
-        page = client.get("/v1/contributions", params={"run_id": run_id, "limit": 1000, "offset": len(out)}).json()
-        out.extend(page["data"])
-        if not page["data"] or len(out) >= page["count"]:
-            return out
-
-
-def train_losses(client: httpx.Client, run_id: int) -> dict[int, dict[int, float]]:
+def train_losses(client: CoordinatorClient, run_id: int) -> dict[int, dict[int, float]]:
     """{round: {path: mean inner train loss}} from the run's contributions."""
     out: dict[int, dict[int, float]] = {}
-    for c in contributions(client, run_id):
-        out.setdefault(c["round"], {})[c["path_index"]] = c["train_loss"]
+    for c in client.contributions(run_id=run_id):
+        out.setdefault(c.round, {})[c.path_index] = c.train_loss
     return out
 
 
-def island_switches(client: httpx.Client, run_id: int) -> int:
+def island_switches(client: CoordinatorClient, run_id: int) -> int:
     """Rounds in which a path was trained by another island than in the round before: each one restarted that
     path's AdamW state (island/worker.py keeps it only for the path it trained last)."""
     by_path: dict[int, list[tuple[int, int]]] = {}
-    for c in contributions(client, run_id):
-        by_path.setdefault(c["path_index"], []).append((c["round"], c["island_id"]))
+    for c in client.contributions(run_id=run_id):
+        by_path.setdefault(c.path_index, []).append((c.round, c.island_id))
     switches = 0
     for rows in by_path.values():
         islands = [island for _, island in sorted(rows)]
@@ -333,57 +350,62 @@ def island_switches(client: httpx.Client, run_id: int) -> int:
 
 
 def train_contender(
-    service: LocalService, contender: Contender, shards_dir: Path, settings: QualitySettings, *,
-    workdir: Path, tag: str, log: Log = lambda s: None,
+    service: LocalService,
+    contender: Contender,
+    shards_dir: Path,
+    settings: QualitySettings,
+    *,
+    workdir: Path,
+    tag: str,
+    log: Log = lambda s: None,
 ) -> int:
     """Create the run, register its shards, run one island per path (capped) until it finishes; the run id."""
-    from router.cli import register_shards
-
     run = service.create_run(run_spec(contender, settings, name=tag))
     islands = min(contender.num_paths, settings.max_islands)
-    log(f"    {contender.name}: run {run['id']}, {run['num_paths']} path(s), {islands} island(s)")
+    log(f"    {contender.name}: run {run.id}, {run.num_paths} path(s), {islands} island(s)")
     names = service.start_islands(islands, prefix=f"{tag}-island", cache_root=workdir / "islands")
     try:
         # Shards last: the run starts leasing only once every island has joined, so that in round 0 each island
         # takes one path (and keeps it: the coordinator prefers the path an island trained last).
         service.wait_islands_joined(names)
-        register_shards(shards_dir, client=service.client, run_id=run["id"])
-        service.wait_finished(run["id"])
+        register_shards(shards_dir, client=service.client, run_id=run.id)
+        service.wait_finished(run.id)
     except BaseException:
         service.stop_islands(wait_s=0)
         raise
     service.stop_islands()
-    return int(run["id"])
+    return run.id
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 
 
 class VersionedWeights:
-    """Module weights at any version over REST, checked against the content hash the coordinator sends."""
+    """Module weights at any version, checked against the content hash the coordinator sends with them (the
+    registry lists the hash of the current version only)."""
 
-    def __init__(self, client: httpx.Client) -> None:
+    def __init__(self, client: CoordinatorClient) -> None:
         self.client = client
         self._cache: dict[tuple[int, int], Tensors] = {}
 
     def get(self, module_id: int, version: int) -> Tensors:
         key = (module_id, version)
         if key not in self._cache:
-            r = self.client.get(f"/v1/modules/{module_id}/weights", params={"version": version})
-            if r.status_code != 200:
-                raise ServiceError(f"module {module_id} version {version}: HTTP {r.status_code} {r.text}")
-            expected = r.headers.get("X-Dipaco-Content-Sha256")
-            if expected and hashlib.sha256(r.content).hexdigest() != expected:
-                raise ServiceError(f"module {module_id} version {version}: body does not match its sha256")
-            self._cache[key] = decode(r.content)
+            self._cache[key] = decode(self.client.module_weights(module_id, version))
         return self._cache[key]
 
     def forget_before(self, version: int) -> None:
         self._cache = {k: v for k, v in self._cache.items() if k[1] >= version}
 
 
-def _score(paths: Callable[[int], nn.Module], router: Router | SinglePathRouter, docs: list[str], *,
-           context: int, every: int | None = None) -> EvalResult:
+def _score(
+    paths: Callable[[int], nn.Module],
+    router: Router | SinglePathRouter,
+    docs: list[str],
+    *,
+    context: int,
+    every: int | None = None,
+) -> EvalResult:
     return evaluate_routed(paths, router, docs, prefix_tokens=router.prefix_tokens, context=context, every=every)
 
 
@@ -392,8 +414,13 @@ def _per_path(result: EvalResult) -> list[tuple[float, int]]:
 
 
 def evaluate_run_rounds(
-    client: httpx.Client, run_id: int, *, router: Router | SinglePathRouter, halves: dict[str, list[str]],
-    rounds: Sequence[int], reroute_every: int | None = None,
+    client: CoordinatorClient,
+    run_id: int,
+    *,
+    router: Router | SinglePathRouter,
+    halves: dict[str, list[str]],
+    rounds: Sequence[int],
+    reroute_every: int | None = None,
 ) -> tuple[list[dict[str, list[tuple[float, int]]]], float | None]:
     """Score the run's paths at each module version in `rounds` on each held-out half; optionally the last
     version again with re-routing every W tokens (full held-out). Returns (per-round halves, re-routed ppl)."""
@@ -403,8 +430,9 @@ def evaluate_run_rounds(
     out: list[dict[str, list[tuple[float, int]]]] = []
     reroute: float | None = None
     for version in rounds:
+
         def build(p: int, version: int = version) -> nn.Module:
-            return build_path(cfg, [weights.get(m["id"], version) for m in run_paths.modules[p]])
+            return build_path(cfg, [weights.get(m.id, version) for m in run_paths.modules[p]])
 
         out.append({h: _per_path(_score(build, router, docs, context=cfg.seq_len)) for h, docs in halves.items()})
         if version == rounds[-1] and reroute_every is not None and router.num_paths > 1:
@@ -415,10 +443,15 @@ def evaluate_run_rounds(
 
 
 def evaluate_modules(
-    cfg: ModelConfig, layout: Layout, modules: list[list[Tensors]], *, router: Router | SinglePathRouter,
+    cfg: ModelConfig,
+    layout: Layout,
+    modules: list[list[Tensors]],
+    *,
+    router: Router | SinglePathRouter,
     documents: list[str],
 ) -> EvalResult:
     """Routed held-out evaluation of in-memory modules (`modules[level][module]`, e.g. from the simulator)."""
+
     def build(p: int) -> nn.Module:
         return build_path(cfg, [modules[lv][m] for lv, m in enumerate(layout.path_modules(p))])
 
@@ -433,8 +466,16 @@ def router_for(contender: Contender, shards_dir: Path) -> Router | SinglePathRou
 
 
 def measure(
-    service: LocalService, contender: Contender, settings: QualitySettings, *, corpus_dir: Path, workdir: Path,
-    halves: dict[str, list[str]], tag: str, run_id: int | None = None, log: Log = lambda s: None,
+    service: LocalService,
+    contender: Contender,
+    settings: QualitySettings,
+    *,
+    corpus_dir: Path,
+    workdir: Path,
+    halves: dict[str, list[str]],
+    tag: str,
+    run_id: int | None = None,
+    log: Log = lambda s: None,
 ) -> ModelResult:
     """Train one contender through the service (unless `run_id` names a finished run of it) and score it."""
     shards_dir = shards_for(corpus_dir, workdir, contender.levels, routing=settings.routing, seed=settings.seed)
@@ -448,35 +489,51 @@ def measure(
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.eval_threads)
     try:
-        per_round, reroute = evaluate_run_rounds(service.client, run_id, router=router, halves=halves,
-                                                 rounds=rounds, reroute_every=settings.reroute_every)
+        per_round, reroute = evaluate_run_rounds(
+            service.client, run_id, router=router, halves=halves, rounds=rounds, reroute_every=settings.reroute_every
+        )
     finally:
         torch.set_num_threads(threads)
     losses = train_losses(service.client, run_id)
     cfg = contender.config()
     result = ModelResult(
-        name=contender.name, layout=contender.layout, num_paths=contender.num_paths,
-        path_params=contender.path_params(), total_params=contender.total_params(),
+        name=contender.name,
+        layout=contender.layout,
+        num_paths=contender.num_paths,
+        path_params=contender.path_params(),
+        total_params=contender.total_params(),
         steps_per_path=settings.rounds * settings.inner_steps * contender.token_factor,
         tokens_per_path=(
             settings.rounds * settings.inner_steps * contender.token_factor * settings.batch_size * cfg.seq_len
         ),
-        rounds=rounds, halves=per_round, run_id=run_id,
+        rounds=rounds,
+        halves=per_round,
+        run_id=run_id,
         train_loss=[sum(row.values()) / len(row) for _, row in sorted(losses.items())],
         purity=load_manifest(shards_dir).get("purity") if contender.num_paths > 1 else None,
-        reroute_ppl=reroute, island_switches=island_switches(service.client, run_id), train_s=train_s,
+        reroute_ppl=reroute,
+        island_switches=island_switches(service.client, run_id),
+        train_s=train_s,
         eval_s=time.monotonic() - t1,
     )
-    log(f"    {contender.name}: held-out ppl {result.ppl_per_round[0]:.2f} -> {result.final_ppl:.2f} "
+    log(
+        f"    {contender.name}: held-out ppl {result.ppl_per_round[0]:.2f} -> {result.final_ppl:.2f} "
         f"(train {train_s:.0f} s, eval {result.eval_s:.0f} s"
         + (f"; {result.island_switches} AdamW restart(s) from island switches" if result.island_switches else "")
-        + ")")
+        + ")"
+    )
     return result
 
 
 def run_comparison(
-    service: LocalService, contenders: Sequence[Contender], settings: QualitySettings, *, corpus_dir: Path,
-    workdir: Path, existing: dict[str, int] | None = None, log: Log = lambda s: None,
+    service: LocalService,
+    contenders: Sequence[Contender],
+    settings: QualitySettings,
+    *,
+    corpus_dir: Path,
+    workdir: Path,
+    existing: dict[str, int] | None = None,
+    log: Log = lambda s: None,
 ) -> list[ModelResult]:
     """Train (unless in `existing`: contender name -> finished run id) and score every contender."""
     documents = load_documents(corpus_dir, "heldout")
@@ -484,8 +541,19 @@ def run_comparison(
     results = []
     for i, contender in enumerate(contenders):
         tag = f"q{i}-{contender.name.replace(' ', '-')}-{time.strftime('%H%M%S')}"
-        results.append(measure(service, contender, settings, corpus_dir=corpus_dir, workdir=workdir, halves=halves,
-                               tag=tag, run_id=(existing or {}).get(contender.name), log=log))
+        results.append(
+            measure(
+                service,
+                contender,
+                settings,
+                corpus_dir=corpus_dir,
+                workdir=workdir,
+                halves=halves,
+                tag=tag,
+                run_id=(existing or {}).get(contender.name),
+                log=log,
+            )
+        )
     return results
 
 
@@ -509,8 +577,9 @@ class CrossCheck:
 
     @property
     def max_train_loss_diff(self) -> float:
-        return max((abs(a - b) for a, b in zip(self.service_train_loss, self.simulator_train_loss, strict=True)),
-                   default=0.0)
+        return max(
+            (abs(a - b) for a, b in zip(self.service_train_loss, self.simulator_train_loss, strict=True)), default=0.0
+        )
 
     @property
     def ok(self) -> bool:
@@ -525,22 +594,38 @@ perplexity at this scale is larger than 1 %, so 1 % is 'within noise'."""
 
 
 def cross_check(
-    result: ModelResult, contender: Contender, settings: QualitySettings, *, corpus_dir: Path, workdir: Path,
+    result: ModelResult,
+    contender: Contender,
+    settings: QualitySettings,
+    *,
+    corpus_dir: Path,
+    workdir: Path,
     documents: list[str] | None = None,
 ) -> CrossCheck:
     """Re-train `contender` with the in-process simulator on the same shards and settings (one torch thread, as
     the islands) and compare final held-out perplexity (both halves) and per-round train loss."""
     shards_dir = shards_for(corpus_dir, workdir, contender.levels, routing=settings.routing, seed=settings.seed)
     cfg, layout = contender.config(), contender.parsed_layout()
-    inner = InnerConfig(batch_size=settings.batch_size, lr=settings.lr,
-                        warmup_steps=min(settings.warmup_steps, settings.inner_steps * settings.rounds),
-                        total_steps=settings.rounds * settings.inner_steps)
+    inner = InnerConfig(
+        batch_size=settings.batch_size,
+        lr=settings.lr,
+        warmup_steps=min(settings.warmup_steps, settings.inner_steps * settings.rounds),
+        total_steps=settings.rounds * settings.inner_steps,
+    )
     outer = OuterConfig(lr=settings.outer_lr, momentum=settings.outer_momentum)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sim = simulate(cfg, layout, inner, outer, steps_per_round=settings.inner_steps, rounds=settings.rounds,
-                       seed=settings.seed, tokens=shard_tokens(shards_dir))
+        sim = simulate(
+            cfg,
+            layout,
+            inner,
+            outer,
+            steps_per_round=settings.inner_steps,
+            rounds=settings.rounds,
+            seed=settings.seed,
+            tokens=shard_tokens(shards_dir),
+        )
     finally:
         torch.set_num_threads(threads)
     if documents is None:
@@ -548,7 +633,10 @@ def cross_check(
         documents = [d for h in HALVES for d in halves[h]]
     ev = evaluate_modules(cfg, layout, sim.modules, router=router_for(contender, shards_dir), documents=documents)
     return CrossCheck(
-        name=contender.name, service_ppl=result.final_ppl, simulator_ppl=ev.perplexity,
-        service_train_loss=result.train_loss, simulator_train_loss=[sum(r) / len(r) for r in sim.losses],
+        name=contender.name,
+        service_ppl=result.final_ppl,
+        simulator_ppl=ev.perplexity,
+        service_train_loss=result.train_loss,
+        simulator_train_loss=[sum(r) / len(r) for r in sim.losses],
         tolerance=CROSS_CHECK_TOLERANCE,
     )

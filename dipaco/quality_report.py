@@ -1,4 +1,4 @@
-"""Tables, plot and target checks of a quality comparison (issue 7's targets; see docs/QUALITY.md)."""
+"""Tables, plot and target checks of a quality comparison (the quality targets are in docs/QUALITY.md)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,14 @@ def find(results: Sequence[ModelResult], name: str) -> ModelResult | None:
 def wide_dense(results: Sequence[ModelResult]) -> ModelResult | None:
     """The larger dense baseline (one path, more parameters per path than dense-S)."""
     small = find(results, DENSE_S)
-    return next((r for r in results if r.num_paths == 1 and r.name != DENSE_S
-                 and (small is None or r.path_params > small.path_params)), None)
+    return next(
+        (
+            r
+            for r in results
+            if r.num_paths == 1 and r.name != DENSE_S and (small is None or r.path_params > small.path_params)
+        ),
+        None,
+    )
 
 
 def comparison_table(results: Sequence[ModelResult], *, title: str = "held-out routed perplexity") -> Table:
@@ -40,15 +46,34 @@ def comparison_table(results: Sequence[ModelResult], *, title: str = "held-out r
     base = find(results, DENSE_S)
     reroute = any(r.reroute_ppl is not None for r in results)
     table = Table(title=title)
-    cols = ["model", "paths", "params /path", "params total", "ppl", "x dense-S", "test ppl", "test, early stop",
-            *(["re-routed"] if reroute else []), "purity"]
+    cols = [
+        "model",
+        "paths",
+        "params /path",
+        "params total",
+        "ppl",
+        "x dense-S",
+        "test ppl",
+        "test, early stop",
+        *(["re-routed"] if reroute else []),
+        "purity",
+    ]
     for col in cols:
         table.add_column(col, justify="left" if col == "model" else "right")
     for r in results:
         ratio = r.final_ppl / base.final_ppl if base is not None else None
-        table.add_row(r.name, str(r.num_paths), f"{r.path_params / 1e3:.0f}k", f"{r.total_params / 1e3:.0f}k",
-                      _fmt(r.final_ppl), _fmt(ratio, ".3f"), _fmt(r.final_test_ppl),
-                      _fmt(r.early_stopped_test_ppl), *([_fmt(r.reroute_ppl)] if reroute else []), _fmt(r.purity))
+        table.add_row(
+            r.name,
+            str(r.num_paths),
+            f"{r.path_params / 1e3:.0f}k",
+            f"{r.total_params / 1e3:.0f}k",
+            _fmt(r.final_ppl),
+            _fmt(ratio, ".3f"),
+            _fmt(r.final_test_ppl),
+            _fmt(r.early_stopped_test_ppl),
+            *([_fmt(r.reroute_ppl)] if reroute else []),
+            _fmt(r.purity),
+        )
     return table
 
 
@@ -76,17 +101,33 @@ class Target:
 def targets(results: Sequence[ModelResult]) -> list[Target]:
     """Issue 7's targets on the final held-out perplexity: 2x2 <= 0.85x dense-S; 2x2 closes >= 50 % of the dense-S
     -> wide-dense gap; 4x4 < 2x2 (only when a 4x4 was run). A missing model or an undefined gap is a miss."""
-    base, two, wide, four = find(results, DENSE_S), find(results, DIPACO_2X2), wide_dense(results), find(
-        results, DIPACO_4X4)
+    base, two, wide, four = (
+        find(results, DENSE_S),
+        find(results, DIPACO_2X2),
+        wide_dense(results),
+        find(results, DIPACO_4X4),
+    )
     out = []
     ratio = two.final_ppl / base.final_ppl if two and base else None
-    out.append(Target(f"{DIPACO_2X2} / {DENSE_S} perplexity", ratio, f"<= {RATIO_TARGET}",
-                      ratio is not None and ratio <= RATIO_TARGET))
+    out.append(
+        Target(
+            f"{DIPACO_2X2} / {DENSE_S} perplexity",
+            ratio,
+            f"<= {RATIO_TARGET}",
+            ratio is not None and ratio <= RATIO_TARGET,
+        )
+    )
     gap: float | None = None
     if two and base and wide and base.final_ppl > wide.final_ppl:
         gap = (base.final_ppl - two.final_ppl) / (base.final_ppl - wide.final_ppl)
-    out.append(Target(f"share of the {DENSE_S} -> {wide.name if wide else 'wide dense'} gap closed by {DIPACO_2X2}",
-                      gap, f">= {GAP_TARGET:.2f}", gap is not None and gap >= GAP_TARGET))
+    out.append(
+        Target(
+            f"share of the {DENSE_S} -> {wide.name if wide else 'wide dense'} gap closed by {DIPACO_2X2}",
+            gap,
+            f">= {GAP_TARGET:.2f}",
+            gap is not None and gap >= GAP_TARGET,
+        )
+    )
     if four is not None:
         rel = four.final_ppl / two.final_ppl if two else None
         out.append(Target(f"{DIPACO_4X4} / {DIPACO_2X2} perplexity", rel, "< 1", rel is not None and rel < 1))
@@ -94,7 +135,7 @@ def targets(results: Sequence[ModelResult]) -> list[Target]:
 
 
 def targets_table(items: Sequence[Target]) -> Table:
-    table = Table(title="targets (issue 7)")
+    table = Table(title="quality targets")
     for col in ("target", "value", "goal", "met"):
         table.add_column(col)
     for t in items:
@@ -107,8 +148,15 @@ def cross_check_table(checks: Sequence[CrossCheck]) -> Table:
     for col in ("model", "service ppl", "simulator ppl", "rel. diff", "tolerance", "max |train loss diff|", "ok"):
         table.add_column(col)
     for c in checks:
-        table.add_row(c.name, f"{c.service_ppl:.4f}", f"{c.simulator_ppl:.4f}", f"{c.rel_diff:.2e}",
-                      f"{c.tolerance:.0e}", f"{c.max_train_loss_diff:.2e}", "[green]yes[/]" if c.ok else "[red]NO[/]")
+        table.add_row(
+            c.name,
+            f"{c.service_ppl:.4f}",
+            f"{c.simulator_ppl:.4f}",
+            f"{c.rel_diff:.2e}",
+            f"{c.tolerance:.0e}",
+            f"{c.max_train_loss_diff:.2e}",
+            "[green]yes[/]" if c.ok else "[red]NO[/]",
+        )
     return table
 
 

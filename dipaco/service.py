@@ -3,7 +3,8 @@ driver (`dipaco.quality`).
 
 `LocalService` starts `dipaco coordinator serve` on a free port (SQLite + blob directory under its data dir)
 with fresh admin / join tokens, and `dipaco island join` processes on demand; every process logs to its own file
-and everything is stopped (SIGTERM, then SIGKILL after a timeout) by `stop()` / leaving the `with` block.
+and everything is stopped (SIGTERM, then SIGKILL after a timeout) by `stop()` / leaving the `with` block. Its
+admin `client` is the one typed client (`coordinator.client.CoordinatorClient`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import httpx
+from coordinator.client import CoordinatorClient, CoordinatorUnavailable, RetryPolicy
+from coordinator.schemas import RunCreate, RunPublic
+from coordinator.states import IslandStatus, RunStatus
+from island.distributed import free_port
 
 log = logging.getLogger(__name__)
 
@@ -29,18 +33,13 @@ HEALTH_TIMEOUT_S = 60.0
 """How long a fresh coordinator may take to answer /healthz (imports torch, runs migrations)."""
 STOP_TIMEOUT_S = 15.0
 """SIGTERM grace period before a process is killed."""
-CLIENT_TIMEOUT_S = 60.0
-"""One admin request (a shard upload of a few MB at most here)."""
+CLIENT_GIVE_UP_S = 30.0
+"""How long one admin request keeps retrying a coordinator that does not answer (it runs on this machine: longer
+means it is gone)."""
 
 
 class ServiceError(RuntimeError):
     """A process of the local service failed to start, exited early, or a run did not finish."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -76,7 +75,7 @@ class LocalService:
     join_token: str = field(default_factory=lambda: f"join_{secrets.token_urlsafe(24)}")
     port: int = field(default_factory=free_port)
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
-    _client: httpx.Client | None = None
+    _client: CoordinatorClient | None = None
 
     @property
     def url(self) -> str:
@@ -103,8 +102,16 @@ class LocalService:
         """Start the coordinator and wait until it answers /healthz."""
         coord = self._spawn(
             "coordinator",
-            ["coordinator", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir),
-             "--log-level", "warning"],
+            [
+                "coordinator",
+                "serve",
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data_dir),
+                "--log-level",
+                "warning",
+            ],
         )
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -114,19 +121,19 @@ class LocalService:
                     f"{tail(self.logs / 'coordinator.log')}"
                 )
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
+                self.client.health(give_up_after_s=0)
+                return self
+            except CoordinatorUnavailable:
                 pass
             time.sleep(0.3)
         raise ServiceError(f"coordinator did not answer /healthz within {HEALTH_TIMEOUT_S:.0f} s")
 
     @property
-    def client(self) -> httpx.Client:
-        """The admin client (one per service, base URL and bearer token set)."""
+    def client(self) -> CoordinatorClient:
+        """The admin client (one per service)."""
         if self._client is None:
-            self._client = httpx.Client(
-                base_url=self.url, timeout=CLIENT_TIMEOUT_S, headers={"Authorization": f"Bearer {self.admin_token}"}
+            self._client = CoordinatorClient(
+                self.url, self.admin_token, retry=RetryPolicy(give_up_after_s=CLIENT_GIVE_UP_S)
             )
         return self._client
 
@@ -137,8 +144,23 @@ class LocalService:
             name = f"{prefix}-{i}"
             self._spawn(
                 name,
-                ["island", "join", "--coordinator", self.url, "--token", self.join_token, "--name", name,
-                 "--site", "local", "--cache-dir", str(cache_root / name), "--device", "cpu", "--quiet"],
+                [
+                    "island",
+                    "join",
+                    "--coordinator",
+                    self.url,
+                    "--token",
+                    self.join_token,
+                    "--name",
+                    name,
+                    "--site",
+                    "local",
+                    "--cache-dir",
+                    str(cache_root / name),
+                    "--device",
+                    "cpu",
+                    "--quiet",
+                ],
             )
             names.append(name)
         return names
@@ -157,20 +179,18 @@ class LocalService:
                 stop_process(proc, name)
         self.procs = [(n, p) for n, p in self.procs if n == "coordinator"]
 
-    def create_run(self, spec: dict[str, Any]) -> dict[str, Any]:
-        r = self.client.post("/v1/runs", json=spec)
-        if r.status_code != 201:
-            raise ServiceError(f"creating run {spec.get('name')!r} failed: HTTP {r.status_code} {r.text}")
-        run: dict[str, Any] = r.json()
-        return run
+    def create_run(self, spec: RunCreate | Mapping[str, Any]) -> RunPublic:
+        return self.client.create_run(spec)
 
-    def wait_finished(self, run_id: int, *, poll_s: float = 0.5, on_poll: Any = None) -> dict[str, Any]:
+    def wait_finished(
+        self, run_id: int, *, poll_s: float = 0.5, on_poll: Callable[[RunPublic], None] | None = None
+    ) -> RunPublic:
         """Poll until the run is finished; `on_poll(run)` is called on every poll (progress printing)."""
         while True:
-            run: dict[str, Any] = self.client.get(f"/v1/runs/{run_id}").json()
+            run = self.client.run(run_id)
             if on_poll is not None:
                 on_poll(run)
-            if run["status"] == "finished":
+            if run.status == RunStatus.FINISHED:
                 return run
             if not any(p.poll() is None for _, p in self.islands()):
                 raise ServiceError(f"every island exited before run {run_id} finished; see the logs in {self.logs}")
@@ -182,8 +202,7 @@ class LocalService:
         timeout_s = HEALTH_TIMEOUT_S + 15.0 * len(names) if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
-            page = self.client.get("/v1/islands", params={"status": "active", "limit": 1000}).json()
-            if set(names) <= {i["name"] for i in page["data"]}:
+            if set(names) <= {i.name for i in self.client.islands(status=IslandStatus.ACTIVE)}:
                 return
             if time.monotonic() > deadline:
                 raise ServiceError(f"islands {names} did not all join within {timeout_s:.0f} s; see {self.logs}")

@@ -2,11 +2,19 @@
 
 from island.cache import BlobCache
 from island.client import CoordinatorClient, RetryPolicy
-from island.errors import CoordinatorUnavailable, IntegrityError, IslandError, LeaseLost, RequestRejected
+from island.errors import (
+    ClientError,
+    CoordinatorUnavailable,
+    IntegrityError,
+    IslandError,
+    LeaseLost,
+    RequestRejected,
+)
 from island.worker import Island, IslandConfig
 
 __all__ = [
     "BlobCache",
+    "ClientError",
     "CoordinatorClient",
     "CoordinatorUnavailable",
     "Island",

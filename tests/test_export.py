@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -16,13 +14,13 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from coordinator.app import create_app
+from coordinator.client import CoordinatorClient, RetryPolicy
 from coordinator.settings import Settings
-from dipaco import export
 from dipaco.cli import app
 from dipaco.export import ExportError, export_path, generate, load_exported
 from modules import ModelConfig, build_path, decode, init_state
 from router.corpus import build_local_corpus
-from router.shards import shard_corpus
+from router.shards import ShardOptions, shard_corpus
 from tests.conftest import ADMIN, JOIN
 from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
 
@@ -31,11 +29,16 @@ RUN: dict[str, Any] = {"model": {"flavour": "debug", "d_model": 32, "seq_len": 1
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[TestClient]:
-    settings = Settings(data_dir=tmp_path / "coord", database_url=f"sqlite:///{tmp_path / 'c.db'}",
-                        admin_token=ADMIN, join_token=JOIN)  # type: ignore[arg-type]
+    settings = Settings(
+        data_dir=tmp_path / "coord", database_url=f"sqlite:///{tmp_path / 'c.db'}", admin_token=ADMIN, join_token=JOIN
+    )  # type: ignore[arg-type]
     with TestClient(create_app(settings)) as client:
         client.headers.update(A)
         yield client
+
+
+def typed(coordinator: TestClient) -> CoordinatorClient:
+    return CoordinatorClient("http://testserver", ADMIN, http=coordinator, retry=RetryPolicy.once())
 
 
 def _train_one_round(client: TestClient) -> dict[str, Any]:
@@ -62,7 +65,7 @@ def _path_weights(client: TestClient, run_id: int, path_index: int) -> dict[str,
 def test_export_loads_without_the_coordinator(coordinator: TestClient, tmp_path: Path) -> None:
     run = _train_one_round(coordinator)
     out = tmp_path / "export"
-    provenance = export_path(coordinator, run_id=run["id"], path_index=2, out_dir=out)
+    provenance = export_path(typed(coordinator), run_id=run["id"], path_index=2, out_dir=out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert [m["version"] for m in provenance["modules"]] == [1, 1, 1, 1] and provenance["path_index"] == 2
     expected = _path_weights(coordinator, run["id"], 2)
@@ -85,7 +88,7 @@ def test_export_loads_without_the_coordinator(coordinator: TestClient, tmp_path:
 def test_export_errors(coordinator: TestClient, tmp_path: Path) -> None:
     run = create_running_run(coordinator, **RUN)
     with pytest.raises(ExportError, match="has 4 path\\(s\\); path 7 does not exist"):
-        export_path(coordinator, run_id=run["id"], path_index=7, out_dir=tmp_path / "x")
+        export_path(typed(coordinator), run_id=run["id"], path_index=7, out_dir=tmp_path / "x")
     with pytest.raises(ExportError, match="no export in"):
         load_exported(tmp_path / "nothing")
 
@@ -106,20 +109,24 @@ def test_generate_is_deterministic_per_seed() -> None:
         generate(model, prompt, max_new_tokens=1, temperature=-1)
 
 
-def test_export_and_generate_commands(coordinator: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                      ) -> None:
+def test_export_and_generate_commands(coordinator: TestClient, tmp_path: Path) -> None:
     run = _train_one_round(coordinator)
-
-    @contextmanager
-    def fake_client(url: str, token: str) -> Iterator[httpx.Client]:
-        assert (url, token) == ("http://coord", "t0k")
-        yield coordinator
-
-    monkeypatch.setattr(export, "_client", fake_client)
     out = tmp_path / "exp"
-    args = ["export", "--coordinator", "http://coord", "--run", str(run["id"]), "--path", "1", "--out", str(out),
-            "--token", "t0k"]
-    result = CliRunner().invoke(app, args)
+    args = [
+        "export",
+        "--coordinator",
+        "http://coord",
+        "--run",
+        str(run["id"]),
+        "--path",
+        "1",
+        "--out",
+        str(out),
+        "--token",
+        ADMIN,
+    ]
+    # the commands talk through the app (ctx.obj) with the token they were given
+    result = CliRunner().invoke(app, args, obj=coordinator)
     assert result.exit_code == 0, result.output
     assert "exported run" in result.output and (out / "config.json").is_file()
 
@@ -130,15 +137,27 @@ def test_export_and_generate_commands(coordinator: TestClient, tmp_path: Path, m
 
     # With routing: a 4-path router over a tiny local corpus; the prompt's prefix picks the path.
     build_local_corpus(tmp_path / "corpus", max_docs_per_domain=12)
-    shard_corpus(tmp_path / "corpus", tmp_path / "shards", num_paths=4)
-    routed = ["generate", "--coordinator", "http://coord", "--run", str(run["id"]), "--router",
-              str(tmp_path / "shards"), "--prompt", "#include <stdio.h>", "--max-new-tokens", "8", "--token", "t0k"]
-    result = CliRunner().invoke(app, routed)
+    shard_corpus(tmp_path / "corpus", tmp_path / "shards", ShardOptions(num_paths=4))
+    routed = [
+        "generate",
+        "--coordinator",
+        "http://coord",
+        "--run",
+        str(run["id"]),
+        "--router",
+        str(tmp_path / "shards"),
+        "--prompt",
+        "#include <stdio.h>",
+        "--max-new-tokens",
+        "8",
+        "--token",
+        ADMIN,
+    ]
+    result = CliRunner().invoke(app, routed, obj=coordinator)
     assert result.exit_code == 0, result.output
     assert "routed by the prompt" in result.output
 
     bad = CliRunner().invoke(app, ["generate", "--prompt", "x"])
     assert bad.exit_code == 1 and "give --from DIR" in bad.output
-    bad = CliRunner().invoke(app, [a if a != "1" else "9" for a in args])
+    bad = CliRunner().invoke(app, [a if a != "1" else "9" for a in args], obj=coordinator)
     assert bad.exit_code == 1 and "does not exist" in bad.output
-

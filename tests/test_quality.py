@@ -15,8 +15,17 @@ from dipaco.quality import Contender, CrossCheck, ModelResult, QualitySettings, 
 def result(name: str, ppls: list[float], *, paths: int = 1, params: int = 100) -> ModelResult:
     """A result whose every path scores loss log(ppl) on 10 tokens of each half, at every round."""
     halves = [{h: [(math.log(p) * 10, 10)] * paths for h in ("val", "test")} for p in ppls]
-    return ModelResult(name=name, layout="x", num_paths=paths, path_params=params, total_params=params * paths,
-                       steps_per_path=10, tokens_per_path=100, rounds=list(range(len(ppls))), halves=halves)
+    return ModelResult(
+        name=name,
+        layout="x",
+        num_paths=paths,
+        path_params=params,
+        total_params=params * paths,
+        steps_per_path=10,
+        tokens_per_path=100,
+        rounds=list(range(len(ppls))),
+        halves=halves,
+    )
 
 
 def render(table: object) -> str:
@@ -66,8 +75,14 @@ def test_tables_render() -> None:
     assert "8.50" in render(qr.comparison_table(results))
     text = render(qr.rounds_table(results))
     assert "200.00" in text and "8.00" in text
-    check = CrossCheck(name="dense-S", service_ppl=10.0, simulator_ppl=10.05, service_train_loss=[3.0, 2.0],
-                       simulator_train_loss=[3.0, 2.01], tolerance=0.01)
+    check = CrossCheck(
+        name="dense-S",
+        service_ppl=10.0,
+        simulator_ppl=10.05,
+        service_train_loss=[3.0, 2.0],
+        simulator_train_loss=[3.0, 2.01],
+        tolerance=0.01,
+    )
     assert check.ok and check.max_train_loss_diff == pytest.approx(0.01)
     assert "yes" in render(qr.cross_check_table([check]))
 
@@ -103,5 +118,6 @@ def test_heldout_halves_are_stable() -> None:
     assert sorted(a["val"] + a["test"]) == sorted(docs)
     small = split_heldout(docs, max_docs=4)
     assert len(small["val"]) + len(small["test"]) == 4
-    assert Contender(name="x", model={"flavour": "debug"}, layout="embed:shared, b0-1:shared, head:shared"
-                     ).num_paths == 1
+    assert (
+        Contender(name="x", model={"flavour": "debug"}, layout="embed:shared, b0-1:shared, head:shared").num_paths == 1
+    )

@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 from coordinator.app import create_app
 from coordinator.blobstore import BlobError, BlobStore, LocalBlobStore, S3BlobStore, open_blob_store
 from coordinator.settings import Settings
+from island.distributed import free_port
 from tests.conftest import ADMIN, JOIN, FakeClock
 from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
-from tests.integration.conftest import free_port
 
 
 @pytest.fixture(scope="module")

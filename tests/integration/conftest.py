@@ -1,10 +1,12 @@
-"""A real coordinator process on a free port, and island processes, for integration tests."""
+"""A real coordinator process on a free port, and island processes, for integration tests.
+
+`Cluster.admin()` is a raw `httpx.Client` with the admin token (tests read the HTTP surface with it); the helpers
+here set runs up and wait through the typed client (`coordinator.client.CoordinatorClient`) on top of it."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +18,10 @@ import httpx
 import numpy as np
 import pytest
 
+from coordinator.client import CoordinatorClient, CoordinatorUnavailable, RetryPolicy
+from coordinator.states import IslandStatus, RunStatus
+from island.distributed import free_port
 from tests.conftest import ADMIN, JOIN
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -88,14 +87,15 @@ class Cluster:
     ) -> None:
         proc = proc or self.coordinator
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert proc is not None and proc.poll() is None, self.log("coordinator")
-            try:
-                if httpx.get(f"{url or self.url}/healthz", timeout=2).status_code == 200:
+        with CoordinatorClient(url or self.url, ADMIN, timeout=httpx.Timeout(2.0), retry=RetryPolicy.once()) as probe:
+            while time.monotonic() < deadline:
+                assert proc is not None and proc.poll() is None, self.log("coordinator")
+                try:
+                    probe.health()
                     return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+                except CoordinatorUnavailable:
+                    pass
+                time.sleep(0.2)
         raise TimeoutError(f"coordinator not healthy after {timeout_s} s\n{self.log('coordinator')}")
 
     def start_island(self, name: str, *extra: str, url: str | None = None) -> subprocess.Popen[bytes]:
@@ -169,25 +169,30 @@ def cluster(tmp_path: Path, database_url: str) -> Iterator[Cluster]:
         c.stop()
 
 
+def typed(client: httpx.Client) -> CoordinatorClient:
+    """The typed admin client over a test's raw one (same connection pool; closing it leaves `client` open)."""
+    return CoordinatorClient(str(client.base_url), ADMIN, http=client)
+
+
 def create_run(client: httpx.Client, spec: dict[str, object], *, num_tokens: int = 2000, seed: int = 0) -> int:
-    r = client.post("/v1/runs", json=spec)
-    assert r.status_code == 201, r.text
-    run = r.json()
+    admin = typed(client)
+    run = admin.create_run(spec)
     rng = np.random.default_rng(seed)
-    for p in range(run["num_paths"]):
+    for p in range(run.num_paths):
         # Each path gets its own "domain": a different small alphabet, so the paths really differ.
         body = rng.integers(32 + 10 * p, 48 + 10 * p, num_tokens).astype("<u2").tobytes()
-        s = client.post(f"/v1/runs/{run['id']}/shards/{p}", params={"num_documents": 1}, content=body)
-        assert s.status_code == 201, s.text
-    return int(run["id"])
+        admin.register_shard(run.id, p, body, num_documents=1)
+    return run.id
 
 
 def wait_finished(cluster: Cluster, client: httpx.Client, run_id: int, timeout_s: float = 240) -> dict[str, object]:
+    """The run, as JSON, once it is finished."""
+    admin = typed(client)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        run = client.get(f"/v1/runs/{run_id}").json()
-        if run["status"] == "finished":
-            return dict(run)
+        run = admin.run(run_id)
+        if run.status == RunStatus.FINISHED:
+            return run.model_dump(mode="json")
         time.sleep(0.3)
     logs = "\n".join(f"--- {p.args[9] if len(p.args) > 9 else p.args}: {p.poll()}" for p in cluster.islands)
     raise TimeoutError(f"run {run_id} not finished after {timeout_s} s: {run}\n{logs}\n{cluster.log('coordinator')}")
@@ -195,8 +200,9 @@ def wait_finished(cluster: Cluster, client: httpx.Client, run_id: int, timeout_s
 
 def wait_islands_joined(client: httpx.Client, count: int, timeout_s: float = 60) -> None:
     """Wait until `count` islands are registered (so work starts only once all of them are there)."""
+    admin = typed(client)
     deadline = time.monotonic() + timeout_s
-    while client.get("/v1/islands", params={"status": "active"}).json()["count"] < count:
+    while len(admin.islands(status=IslandStatus.ACTIVE)) < count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {count} islands joined within {timeout_s} s")
         time.sleep(0.2)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from island.distributed import free_port
 from tests.integration.checks import verify_run
-from tests.integration.conftest import Cluster, create_run, free_port, wait_finished, wait_islands_joined
+from tests.integration.conftest import Cluster, create_run, typed, wait_finished, wait_islands_joined
 
 pytestmark = pytest.mark.integration
 
@@ -37,10 +38,10 @@ def test_two_coordinators_apply_each_round_once(tmp_path: object, postgres_url: 
             wait_islands_joined(client, 2)  # islands wait for a run; start it once both are in
             run_id = create_run(client, SPEC)
             wait_finished(cluster, client, run_id)
-            contributions = client.get("/v1/contributions", params={"run_id": run_id}).json()["data"]
+            contributions = typed(client).contributions(run_id=run_id)
         assert a.wait(timeout=60) == 0 and b.wait(timeout=60) == 0
         assert len(contributions) == 12
-        assert len({c["island_id"] for c in contributions}) == 2  # both replicas served uploads
+        assert len({c.island_id for c in contributions}) == 2  # both replicas served uploads
         verify_run(cluster.database_url, cluster.data_dir / "blobs", run_id)
     finally:
         cluster.stop()

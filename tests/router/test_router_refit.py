@@ -1,30 +1,28 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
-from fastapi.testclient import TestClient
-from typer.testing import CliRunner
 
 from modules import ModelConfig
 from modules.model import PathModel
-from router import eval_cli
-from router.cli import app
 from router.corpus import iter_jsonl
-from router.eval_cli import load_router
 from router.evaluate import evaluate_routed
 from router.refit import best_paths, refit_report, refit_router, routed_loss, score_all_paths
 from router.router import HEAD_ROUTER_FORMAT, Router, RouterError
-from router.shards import load_manifest, shard_corpus
-from tests.coordinator.helpers import create_running_run
-from tests.router.test_router_eval_cli import RUN, coordinator  # noqa: F401  (fixture)
+from router.shards import ROUTER_DIR
+
+# The `dipaco router refit` command (it scores with a run's paths, so it talks to the coordinator) is tested in
+# tests/test_router_commands.py.
+MODEL = {"d_model": 32, "seq_len": 48, "n_heads": 2, "n_layers": 2}
+
+
+def load_router(shards_dir: Path) -> Router:
+    return Router.load(shards_dir / ROUTER_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +93,7 @@ def test_refit_router_save_load(shards4: tuple[Path, dict[str, Any]], heldout: l
 
 
 def test_score_all_paths_matches_routed_evaluation(heldout: list[str]) -> None:
-    cfg = ModelConfig.from_dict({k: v for k, v in RUN["model"].items() if k != "flavour"})
+    cfg = ModelConfig.from_dict(MODEL)
     models = []
     for seed in range(2):
         torch.manual_seed(seed)
@@ -115,39 +113,6 @@ def test_score_all_paths_matches_routed_evaluation(heldout: list[str]) -> None:
     result = evaluate_routed(models, Fixed(), docs, context=cfg.seq_len)
     scored = np.array([len(d.encode()) + 1 - 32 for d in docs[:10]], dtype=np.float64)
     assert routed_loss(losses[:10], routes, scored) == pytest.approx(result.loss, rel=1e-9)
-    assert np.allclose(score_all_paths(lambda p: models[p], docs, num_paths=2, context=cfg.seq_len), losses,
-                       equal_nan=True)
-
-
-def test_refit_command(coordinator: TestClient, corpus_dir: Path, tmp_path: Path,  # noqa: F811
-                       shards4: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
-    run = create_running_run(coordinator, **RUN)
-    lines = (corpus_dir / "heldout.jsonl").read_text().splitlines(keepends=True)[:24]
-    small = tmp_path / "corpus"
-    small.mkdir()
-    for name in ("manifest.json", "train.jsonl"):
-        (small / name).write_bytes((corpus_dir / name).read_bytes())
-    (small / "heldout.jsonl").write_text("".join(lines))
-
-    @contextmanager
-    def fake_client(url: str, token: str) -> Iterator[httpx.Client]:
-        assert (url, token) == ("http://coord", "t0k")
-        yield coordinator
-
-    monkeypatch.setattr(eval_cli, "_client", fake_client)
-    args = ["refit", "--coordinator", "http://coord", "--run", str(run["id"]), "--router", str(shards4[0]),
-            "--corpus", str(small), "--out", str(tmp_path / "refit"), "--token", "t0k",
-            "--shards-out", str(tmp_path / "shards")]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    assert "documents change path" in result.output and "perplexity: base" in result.output
-    new = Router.load(tmp_path / "refit")
-    assert new.head_weight is not None and new.num_paths == 4
-    manifest = load_manifest(tmp_path / "shards")
-    assert manifest["router_given"] is True and manifest["fit_documents"] == 0
-    assert Router.load(tmp_path / "shards" / "router").head_weight is not None
-    # A 2-path router against a 4-path run is refused.
-    shard_corpus(corpus_dir, tmp_path / "s2", num_paths=2)
-    bad = [*args[:6], str(tmp_path / "s2"), *args[7:]]
-    result = CliRunner().invoke(app, bad)
-    assert result.exit_code == 1 and "the router has 2 paths" in result.output
+    assert np.allclose(
+        score_all_paths(lambda p: models[p], docs, num_paths=2, context=cfg.seq_len), losses, equal_nan=True
+    )

@@ -1,0 +1,272 @@
+"""`CoordinatorClient`: the one typed client of the coordinator's REST API (ARCHITECTURE §2, §5).
+
+Everything that talks to the coordinator goes through it: the island, the commands (`dipaco registry`, `eval`,
+`export`, `generate`, `router register|refit`), the quality driver and the benches. It imports no server
+dependency (httpx, pydantic, `coordinator.schemas`, `coordinator.states`), returns the wire schemas and raises
+the `coordinator.client_errors` hierarchy.
+
+Retries and replies (`coordinator.client_http.Session`, the HTTP layer under the endpoints here): every call
+retries connection errors, timeouts, 5xx and 429 with capped, full-jitter backoff (honouring `Retry-After`) until
+`RetryPolicy.give_up_after_s`, then logs and raises `CoordinatorUnavailable`. Other 4xx raise `RequestRejected`
+with the server's `detail` (409 on an upload: `LeaseLost`); a 2xx whose body is not the schema raises
+`BadResponse`; a download that does not hash to what it is addressed by raises `IntegrityError`. Long-lived
+processes keep the default budget; commands that a person is waiting for use `RetryPolicy.once()`.
+
+Identity. The client sends one bearer token (admin, join or island). `join()` registers an island with the join
+token and from then on the client *is* that island: it sends the island token, and `heartbeat`, `lease` and
+`leave` address its own id; when `lease()` finds no work it returns None and leaves the reason in `idle`. Many
+clients may share one HTTP client (`http=`), each with its own identity (e.g. simulated islands in a bench).
+
+Timeouts, from short to long (see also the coordinator's settings):
+  HTTP connect 5 s / pool 5 s  <  HTTP read/write 60 s  <  heartbeat interval (server-chosen)  <  lease TTL
+  <  round deadline. A long-polled lease request may read for 60 s + its `wait`; `give_up_after_s`
+  (default 300 s) bounds how long one call keeps retrying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from coordinator.client_errors import (
+    BadResponse,
+    ClientError,
+    CoordinatorUnavailable,
+    IntegrityError,
+    LeaseLost,
+    RequestRejected,
+)
+from coordinator.client_http import (
+    DEFAULT_TIMEOUT,
+    PAGE_LIMIT,
+    UPLOAD_CHUNK,
+    HttpClient,
+    RetryPolicy,
+    Session,
+    detail,
+    parse_retry_after,
+    sha256_hex,
+)
+from coordinator.schemas import (
+    H_IDLE,
+    H_ROUND,
+    H_TOKENS,
+    H_TRAIN_LOSS,
+    ContributionPublic,
+    ContributionSummary,
+    HeartbeatReply,
+    IdleReason,
+    IslandCapabilities,
+    IslandJoin,
+    IslandJoined,
+    IslandPublic,
+    LeasePublic,
+    ListOf,
+    ModulePublic,
+    PathPublic,
+    RoundPublic,
+    RunCreate,
+    RunPublic,
+    ShardPublic,
+)
+from coordinator.states import IslandStatus, RunStatus
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "PAGE_LIMIT",
+    "UPLOAD_CHUNK",
+    "BadResponse",
+    "ClientError",
+    "CoordinatorClient",
+    "CoordinatorUnavailable",
+    "HttpClient",
+    "Idle",
+    "IdleReason",
+    "IntegrityError",
+    "LeaseLost",
+    "RequestRejected",
+    "RetryPolicy",
+    "sha256_hex",
+]
+
+IDLE_WAIT_S = 2.0
+"""How long to wait after a lease request found no work and the reply had no readable `Retry-After`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Why the last lease request got 204 and how long the coordinator asked us to wait."""
+
+    reason: IdleReason
+    retry_after_s: float
+
+
+class CoordinatorClient(Session):
+    """Typed, retrying calls to every endpoint of the coordinator; safe to share between threads.
+
+    Constructed as `CoordinatorClient(base_url, token, http=..., retry=RetryPolicy(...))`; see `Session` for the
+    other keyword arguments. An admin token creates runs, registers shards and revokes islands; a join token
+    `join()`s and then the client is that island; any valid token reads."""
+
+    island_id: int | None = None
+    """Set by `join()`: the island this client speaks for."""
+    idle: Idle | None = None
+    """Set by `lease()` when it returns None."""
+
+    def _island_path(self, suffix: str = "") -> str:
+        if self.island_id is None:
+            raise RuntimeError("the island has not joined yet; call join() first")
+        return f"/v1/islands/{self.island_id}{suffix}"
+
+    # -- service -----------------------------------------------------------------------------------------
+
+    def health(self, *, give_up_after_s: float | None = None) -> str:
+        """`GET /healthz`: "ok" when the coordinator and its database answer."""
+        what = "health check"
+        response = self.request("GET", "/healthz", what=what, give_up_after_s=give_up_after_s)
+        body = self.check(response, what=what, ok=(200,)).json()
+        return str(body.get("status", "")) if isinstance(body, dict) else ""
+
+    def metrics(self) -> str:
+        """`GET /metrics`: the Prometheus text exposition."""
+        return self.check(self.request("GET", "/metrics", what="metrics"), what="metrics", ok=(200,)).text
+
+    # -- runs and shards (admin writes) ------------------------------------------------------------------
+
+    def runs(self, *, status: RunStatus | None = None) -> list[RunPublic]:
+        return self.list_all("/v1/runs", RunPublic, what="list of runs", params={"status": status})
+
+    def run(self, run_id: int) -> RunPublic:
+        return self.call("GET", f"/v1/runs/{run_id}", RunPublic, what=f"read of run {run_id}")
+
+    def create_run(self, spec: RunCreate | Mapping[str, Any]) -> RunPublic:
+        """Create a run (admin). A mapping is validated into `RunCreate` first (pydantic's ValidationError, a
+        ValueError, names a bad field before anything is sent); fields left unset take the server's defaults."""
+        body = spec if isinstance(spec, RunCreate) else RunCreate.model_validate(spec)
+        what = f"creation of run {body.name!r}"
+        response = self.request("POST", "/v1/runs", what=what, json=body.model_dump(mode="json", exclude_unset=True))
+        return self.parse(RunPublic, self.check(response, what=what, ok=(200, 201)), what=what)
+
+    def rounds(self, run_id: int) -> list[RoundPublic]:
+        """Every round of a run so far (not paginated: a run has few)."""
+        return self.call("GET", f"/v1/runs/{run_id}/rounds", ListOf[RoundPublic], what=f"rounds of run {run_id}").data
+
+    def register_shard(self, run_id: int, path_index: int, tokens: bytes | Path, *, num_documents: int) -> ShardPublic:
+        """Attach a path's shard to a run (admin): raw little-endian uint16 token ids, from memory or a file
+        (streamed from disk)."""
+        what = f"shard {path_index} of run {run_id}"
+        url = f"/v1/runs/{run_id}/shards/{path_index}"
+        response = self.send(url, tokens, what=what, params={"num_documents": num_documents})
+        return self.parse(ShardPublic, self.check(response, what=what, ok=(200, 201)), what=what)
+
+    def shard_tokens(self, shard_id: int, expected_hash: str | None = None) -> bytes:
+        """The whole shard token file (little-endian uint16), verified against `expected_hash` (None: the hash
+        the coordinator sends with it)."""
+        return self.download(
+            f"/v1/shards/{shard_id}/tokens", what=f"tokens of shard {shard_id}", expected_hash=expected_hash
+        )
+
+    # -- modules and paths -------------------------------------------------------------------------------
+
+    def modules(self, *, run_id: int | None = None, level: int | None = None) -> list[ModulePublic]:
+        params = {"run_id": run_id, "level": level}
+        return self.list_all("/v1/modules", ModulePublic, what="list of modules", params=params)
+
+    def module(self, module_id: int) -> ModulePublic:
+        return self.call("GET", f"/v1/modules/{module_id}", ModulePublic, what=f"read of module {module_id}")
+
+    def module_weights(self, module_id: int, version: int | None = None, expected_hash: str | None = None) -> bytes:
+        """Safetensors bytes of one module version (None: the current one), verified against `expected_hash`
+        (None: the hash the coordinator sends with it, e.g. for an old version)."""
+        return self.download(
+            f"/v1/modules/{module_id}/weights",
+            what=f"weights of module {module_id}" + (f" v{version}" if version is not None else ""),
+            expected_hash=expected_hash,
+            params={"version": version},
+        )
+
+    def paths(self, *, run_id: int | None = None) -> list[PathPublic]:
+        return self.list_all("/v1/paths", PathPublic, what="list of paths", params={"run_id": run_id})
+
+    def path(self, path_id: int) -> PathPublic:
+        return self.call("GET", f"/v1/paths/{path_id}", PathPublic, what=f"read of path {path_id}")
+
+    def contributions(self, *, run_id: int | None = None, round: int | None = None) -> list[ContributionSummary]:
+        params = {"run_id": run_id, "round": round}
+        return self.list_all("/v1/contributions", ContributionSummary, what="list of contributions", params=params)
+
+    # -- islands -----------------------------------------------------------------------------------------
+
+    def islands(self, *, status: IslandStatus | None = None) -> list[IslandPublic]:
+        return self.list_all("/v1/islands", IslandPublic, what="list of islands", params={"status": status})
+
+    def revoke_island(self, island_id: int) -> None:
+        """Remove an island (admin): its token stops working and its leases go back to the pool."""
+        what = f"revocation of island {island_id}"
+        self.check(self.request("DELETE", f"/v1/islands/{island_id}", what=what), what=what, ok=(200, 204))
+
+    def join(self, name: str, site: str = "local", capabilities: IslandCapabilities | None = None) -> IslandJoined:
+        """Register an island with the join token; afterwards this client is that island (island token)."""
+        body = IslandJoin(name=name, site=site, capabilities=capabilities or IslandCapabilities())
+        what = f"join as {name!r}"
+        response = self.request("POST", "/v1/islands", what=what, json=body.model_dump(mode="json"))
+        joined = self.parse(IslandJoined, self.check(response, what=what, ok=(200, 201)), what=what)
+        self.island_id = joined.island_id
+        self._token = joined.token
+        return joined
+
+    def heartbeat(self, *, give_up_after_s: float | None = None) -> HeartbeatReply:
+        what = f"heartbeat of island {self.island_id}"
+        response = self.request("POST", self._island_path("/heartbeat"), what=what, give_up_after_s=give_up_after_s)
+        return self.parse(HeartbeatReply, self.check(response, what=what, ok=(200,)), what=what)
+
+    def leave(self, *, give_up_after_s: float | None = None) -> None:
+        what = f"leave of island {self.island_id}"
+        response = self.request("DELETE", self._island_path(), what=what, give_up_after_s=give_up_after_s)
+        self.check(response, what=what, ok=(200, 204))
+
+    def lease(self, *, wait_s: float = 0.0) -> LeasePublic | None:
+        """Ask for work. None when there is none right now; `self.idle` then says why and how long to wait.
+
+        With `wait_s` the coordinator holds the request up to that long while there is no work (long polling),
+        and answers the moment a round opens or a path is given back."""
+        what = f"lease request of island {self.island_id}"
+        params: dict[str, Any] = {}
+        timeout: httpx.Timeout | None = None
+        if wait_s > 0:  # the read may take the whole wait
+            params["wait"] = wait_s
+            t = self._timeout
+            timeout = httpx.Timeout(connect=t.connect, read=(t.read or 60.0) + wait_s, write=t.write, pool=t.pool)
+        response = self.request("POST", self._island_path("/lease"), what=what, params=params, timeout=timeout)
+        if response.status_code == 204:
+            raw = response.headers.get(H_IDLE, "waiting")
+            reason: IdleReason = "no-running-runs" if raw == "no-running-runs" else "waiting"
+            wait = parse_retry_after(response.headers.get("Retry-After"))
+            self.idle = Idle(reason=reason, retry_after_s=IDLE_WAIT_S if wait is None else wait)
+            return None
+        self.idle = None
+        return self.parse(LeasePublic, self.check(response, what=what, ok=(200,)), what=what)
+
+    # -- leases ------------------------------------------------------------------------------------------
+
+    def release(self, lease_id: int, *, give_up_after_s: float | None = None) -> None:
+        """Give a lease back. A 409 (already closed / not active) is fine: nothing left to give back."""
+        what = f"release of lease {lease_id}"
+        response = self.request("POST", f"/v1/leases/{lease_id}/release", what=what, give_up_after_s=give_up_after_s)
+        self.check(response, what=what, ok=(200, 204, 409))
+
+    def upload(self, lease: LeasePublic, payload: bytes, *, tokens: int, train_loss: float) -> ContributionPublic:
+        """Stream the outer gradients of a lease. Idempotent on the server, so retries are safe.
+
+        Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
+        what = f"upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
+        headers = {H_ROUND: str(lease.round), H_TOKENS: str(tokens), H_TRAIN_LOSS: repr(float(train_loss))}
+        url = f"/v1/leases/{lease.lease_id}/outer-gradients"
+        response = self.send(url, payload, what=what, headers=headers)
+        if response.status_code == 409:
+            raise LeaseLost(lease.lease_id, detail(response))
+        return self.parse(ContributionPublic, self.check(response, what=what, ok=(200, 201)), what=what)

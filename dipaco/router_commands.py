@@ -1,0 +1,138 @@
+"""The `dipaco router` commands that talk to the coordinator, composed into the router group by `dipaco.cli`
+(`router/` is data only: corpora in, shards out, no HTTP):
+
+* `register`: upload the shards of a shard directory to a run (one `POST /v1/runs/{id}/shards/{path}` each,
+  streamed from disk), checking that the coordinator stored what the manifest says;
+* `refit`: discriminative re-routing (DiPaCo §2.4.2): score held-out documents under every path of a run, label
+  each with its best path, fit a linear router to the labels with balanced shares, save it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.client import ClientError, CoordinatorClient
+from coordinator.schemas import ShardPublic
+from dipaco.commands import connect, require_token
+from dipaco.evaluation import EVAL_ERRORS, EvalError, fetch_run_paths, load_documents, load_router
+from router.corpus import CorpusError
+from router.refit import refit_report, refit_router, score_all_paths
+from router.router import RouterError
+from router.shards import ShardError, ShardOptions, load_manifest, shard_corpus
+from router.user_errors import user_errors
+
+
+class RegistrationError(RuntimeError):
+    """The coordinator stored a shard that does not match the manifest."""
+
+
+def register_shards(shards_dir: Path, *, client: CoordinatorClient, run_id: int) -> list[ShardPublic]:
+    """Upload every shard of `shards_dir` to run `run_id` (admin client); returns the coordinator's records.
+
+    The files are verified against the manifest first and streamed from disk; what the coordinator stored is
+    checked against the manifest's sha256."""
+    manifest = load_manifest(shards_dir)
+    registered: list[ShardPublic] = []
+    for shard in manifest["shards"]:
+        index = shard["path_index"]
+        record = client.register_shard(run_id, index, shards_dir / shard["file"], num_documents=shard["num_documents"])
+        if record.tokens_hash != shard["sha256"]:
+            raise RegistrationError(
+                f"shard {index} of run {run_id}: coordinator stored tokens_hash {record.tokens_hash}, "
+                f"manifest says {shard['sha256']}"
+            )
+        registered.append(record)
+    return registered
+
+
+def register_command(
+    ctx: typer.Context,
+    shards: Annotated[Path, typer.Option(help="Shard directory (from `shard`).")],
+    coordinator: Annotated[str, typer.Option(help="Coordinator base URL, e.g. http://127.0.0.1:8000.")],
+    run: Annotated[int, typer.Option(help="Run id to attach the shards to.")],
+    token: Annotated[str, typer.Option(envvar="DIPACO_ADMIN_TOKEN", help="Admin bearer token.")] = "",
+) -> None:
+    """Upload the shards to a run on the coordinator (one POST per path)."""
+    console = Console()
+    token = require_token(console, token, admin=True)
+    with user_errors(console, ShardError, RegistrationError, ClientError), connect(ctx, coordinator, token) as client:
+        records = register_shards(shards, client=client, run_id=run)
+    table = Table(title=f"shards of run {run}")
+    for column in ("path", "shard id", "tokens", "documents"):
+        table.add_column(column, justify="right")
+    for r in records:
+        table.add_row(str(r.path_index), str(r.id), f"{r.num_tokens:,}", str(r.num_documents))
+    console.print(table)
+
+
+def refit_command(
+    ctx: typer.Context,
+    coordinator: Annotated[str, typer.Option(help="Coordinator base URL, e.g. http://127.0.0.1:8000.")],
+    run: Annotated[int, typer.Option(help="Run id whose paths score the documents (current module versions).")],
+    router: Annotated[Path, typer.Option(help="Base router directory, or the shard directory holding router/.")],
+    corpus: Annotated[Path, typer.Option(help="Corpus directory (from `corpus`).")],
+    out: Annotated[Path, typer.Option(help="Directory for the refit router (router.json + safetensors).")],
+    split: Annotated[str, typer.Option(help="Router-held-out documents: reads SPLIT.jsonl in the corpus.")] = "heldout",
+    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Any valid bearer token.")] = "",
+    min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Least routed share / target share.")] = 0.5,
+    max_share: Annotated[float, typer.Option(min=1.0, help="Most routed share / target share.")] = 2.0,
+    seed: Annotated[int, typer.Option(help="Seed of the logistic regression.")] = 0,
+    shards_out: Annotated[
+        Path | None, typer.Option(help="Also re-shard the train split with the refit router into this directory.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 256,
+) -> None:
+    """Discriminative re-routing (§2.4.2): score the held-out documents under every path of the run, label each
+    with its best path, fit a linear router to the labels with balanced shares, save it."""
+    console = Console()
+    token = require_token(console, token)
+    with user_errors(console, CorpusError, RouterError, ShardError, *EVAL_ERRORS):
+        base = load_router(router)
+        documents = load_documents(corpus, split)
+        with connect(ctx, coordinator, token) as client:
+            run_paths = fetch_run_paths(client, run)
+            if run_paths.num_paths != base.num_paths:
+                raise EvalError(f"the router has {base.num_paths} paths, run {run} has {run_paths.num_paths}")
+            losses = score_all_paths(
+                run_paths.build,
+                documents,
+                num_paths=run_paths.num_paths,
+                prefix_tokens=base.prefix_tokens,
+                context=run_paths.config.seq_len,
+                batch_size=batch_size,
+            )
+        new = refit_router(losses, documents, base, min_share=min_share, max_share=max_share, seed=seed)
+        new.save(out)
+        scored = [max(0, len(d.encode("utf-8")) + 1 - base.prefix_tokens) for d in documents]
+        report = refit_report(losses, documents, base, new, weights=np.asarray(scored, dtype=np.float64))
+        manifest = None
+        if shards_out is not None:
+            options = ShardOptions(num_paths=base.num_paths, prefix_tokens=base.prefix_tokens, seed=seed)
+            manifest = shard_corpus(corpus, shards_out, options, router=new)
+    table = Table(title=f"refit router of run {run} in {out}: {report.documents} {split} documents")
+    for column in ("path", "best here", "base route", "refit route"):
+        table.add_column(column, justify="right")
+    for p in range(base.num_paths):
+        table.add_row(
+            str(p), str(report.label_histogram[p]), str(report.base_histogram[p]), str(report.new_histogram[p])
+        )
+    console.print(table)
+    console.print(f"{report.changed} of {report.documents} documents change path")
+    console.print(
+        f"routed {split} perplexity: base {report.base_perplexity:.3f} -> refit {report.new_perplexity:.3f} "
+        f"(every document on its best path: {report.oracle_perplexity:.3f}; measured on the documents the refit "
+        "was fitted on)"
+    )
+    if manifest is not None:
+        shares = manifest["balance"]["token_shares"]
+        console.print(
+            f"re-sharded the train split into {shards_out}: moved {manifest['balance']['moved_documents']} "
+            f"documents while balancing, token share per shard / fair share {min(shares):.2f} to "
+            f"{max(shares):.2f}, purity {manifest['purity']:.3f}"
+        )
