@@ -1,4 +1,5 @@
-"""Capabilities an island reports on join: device, memory, and training tokens/s measured by a short probe.
+"""The device an island trains on, and the capabilities it reports on join: device, memory, and training tokens/s
+measured by a short probe.
 
 The coordinator may use them to pick paths that fit and to size H per island (heterogeneous islands).
 """
@@ -13,6 +14,7 @@ import time
 import torch
 
 from coordinator.schemas import IslandCapabilities
+from island.errors import IslandError
 from island.inner import inner_phase
 from modules import InnerConfig, batches_from_tokens, build_path, flavour, init_state, make_optimizer
 
@@ -23,6 +25,16 @@ PROBE_WARMUP_STEPS = 1
 PROBE_BUDGET_S = 0.3
 """Timed steps run until this much time has passed (at most `PROBE_MAX_STEPS`)."""
 PROBE_MAX_STEPS = 20
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for `--device`: "auto" is cuda when available, else cpu; cuda without CUDA is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise IslandError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    return device
 
 
 def probe_tokens_per_s(device: torch.device, *, batch_size: int = 8) -> float:

@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from coordinator.schemas import LeasePublic
+from island.capabilities import resolve_device
 from island.inner import Ranks, inner_phase
+from island.optimizer_state import InnerStates
 from modules import InnerConfig, ModelConfig, PathModel, batches_from_tokens, make_optimizer
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,8 @@ def init_group(ranks: Ranks, device: torch.device) -> None:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it; another process may still take it before use)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -84,7 +87,7 @@ def _free_port() -> int:
 
 def launch_followers(nproc: int, *, device: str) -> list[subprocess.Popen[bytes]]:
     """Make this process rank 0 of `nproc` and start ranks 1..nproc-1 as `python -m island.follower`."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc)}
     os.environ.update(env, RANK="0", LOCAL_RANK="0")
     children = []
     for rank in range(1, nproc):
@@ -158,7 +161,9 @@ def recv_json(device: torch.device) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
-class _State:
+class _Trained:
+    """A lease this rank trained to the end; its inner state is kept once rank 0 says it was accepted."""
+
     lease_id: int
     key: tuple[int, int]
     state: dict[str, Any]
@@ -170,8 +175,9 @@ class Follower:
     def __init__(self, ranks: Ranks, device: torch.device) -> None:
         self.ranks = ranks
         self.device = device
-        self._pending: _State | None = None
-        self._accepted: _State | None = None
+        self._trained: _Trained | None = None
+        self._states = InnerStates(capacity=1)
+        """The last accepted lease's inner state only, as on rank 0 (see island.optimizer_state)."""
         self.leases_trained = 0
 
     def _recv(self) -> dict[str, Any]:
@@ -196,16 +202,18 @@ class Follower:
         dist.broadcast(tokens, src=0)
         model_cfg = ModelConfig.from_dict(lease.model)
         inner = InnerConfig(**lease.inner)
-        if self._pending is not None and self._pending.lease_id == command["accepted_lease"]:
-            self._accepted = self._pending
-        self._pending = None
+        # Rank 0 names the lease it last saw accepted: if that is the one trained here last, keep its state.
+        trained, self._trained = self._trained, None
+        if trained is not None and trained.lease_id == command["accepted_lease"]:
+            self._states.accept(trained.key, trained.lease_id, trained.state)
         key = (lease.run_id, lease.path_id)
         model = PathModel(model_cfg).to(self.device)  # DDP overwrites these weights with rank 0's
         optimizer = make_optimizer(model, inner)
         if command["resume"]:
-            if self._accepted is None or self._accepted.key != key:
+            saved = self._states.get(key)
+            if saved is None:
                 raise RuntimeError(f"rank {self.ranks.rank}: no inner state of lease {command['accepted_lease']}")
-            optimizer.load_state_dict(self._accepted.state)
+            optimizer.load_state_dict(saved)
         batches = batches_from_tokens(
             tokens.cpu(), batch_size=inner.batch_size, seq_len=model_cfg.seq_len, steps=lease.inner_steps
         )
@@ -213,7 +221,7 @@ class Follower:
             model, optimizer, batches, inner, first_step=lease.first_step, device=self.device, ranks=self.ranks
         )
         if len(losses) == lease.inner_steps:
-            self._pending = _State(lease_id=lease.lease_id, key=key, state=optimizer.state_dict())
+            self._trained = _Trained(lease_id=lease.lease_id, key=key, state=optimizer.state_dict())
         self.leases_trained += 1
 
 
@@ -228,8 +236,6 @@ def _watch_parent(parent_pid: int) -> None:
 def follower_main(device_name: str) -> int:
     """Entry point of ranks 1..N-1. SIGINT is ignored: a terminal Ctrl-C reaches the whole process group, and
     rank 0 decides (release the lease, then `stop`)."""
-    from island.worker import resolve_device
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:

@@ -10,7 +10,7 @@ import logging
 import threading
 
 from island.client import CoordinatorClient
-from island.errors import CoordinatorUnavailable, IslandError, RequestRejected
+from island.errors import ClientError, CoordinatorUnavailable, IslandError, RequestRejected
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class Heartbeater:
         self._lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.fatal: IslandError | None = None
+        self.fatal: IslandError | ClientError | None = None
         """Set when the coordinator rejected a heartbeat (e.g. island revoked): the island must stop."""
         self.beats = 0
 

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import signal
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,17 +27,18 @@ from typing import Any, Literal
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from coordinator.schemas import GRAD_KEY_SEP, LeaseModule, LeasePublic
+from coordinator.schemas import GRAD_KEY_SEP, ContributionPublic, LeaseModule, LeasePublic
 from island.cache import BlobCache
-from island.capabilities import capabilities
+from island.capabilities import capabilities, resolve_device
 from island.client import CoordinatorClient, RetryPolicy
 from island.distributed import Leader, init_group, rank_device
-from island.errors import CoordinatorUnavailable, IntegrityError, IslandError, LeaseLost
+from island.errors import ClientError, CoordinatorUnavailable, IntegrityError, IslandError, LeaseLost
 from island.faults import Stall
 from island.heartbeat import Heartbeater
-from island.inner import Ranks, inner_phase
+from island.inner import AutocastFactory, Ranks, inner_phase
+from island.optimizer_state import InnerStates
+from island.progress import LeaseProgress
 from modules import (
     CodecError,
     InnerConfig,
@@ -147,24 +146,20 @@ class LeaseResult:
     """Seconds spent encoding and uploading the outer gradients."""
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise IslandError(f"device {name!r} requested but CUDA is not available; use --device cpu")
-    return device
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    """What one lease trains on, fetched and checked before any step runs."""
 
-
-def _cpu_copy(obj: Any) -> Any:
-    """Deep copy of an optimizer state dict with every tensor cloned to CPU (keeps GPU memory free)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu_copy(v) for v in obj]
-    return obj
+    where: str
+    """"lease L (run R, round N, path P)", for messages."""
+    model_cfg: ModelConfig
+    inner: InnerConfig
+    levels: list[LeaseModule]
+    """The path's modules in level order."""
+    base: list[dict[str, torch.Tensor]]
+    """Their weights (the lease's base versions), in the same order."""
+    tokens: torch.Tensor
+    """The lease's token range of the shard (int64)."""
 
 
 class Island:
@@ -196,13 +191,9 @@ class Island:
         self._joined = False
         self._lease: LeasePublic | None = None
         """The lease being worked on; released on the way out if still set."""
-        self._opt_key: tuple[int, int] | None = None
-        self._opt_state: dict[str, Any] | None = None
-        """AdamW state after the last accepted lease, kept for the next lease of the same (run, path)."""
-        self._opt_states: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
-        """Single-process islands: AdamW state per (run, path), least recently trained first."""
-        self._opt_lease: int | None = None
-        """The lease `_opt_state` belongs to (multi-process islands: followers keep their own copy)."""
+        self._inner_states = InnerStates(1 if self.ranks.distributed else config.optimizer_cache)
+        """Inner AdamW state of accepted leases; multi-process islands keep the last one only (followers hold
+        their own copy of it)."""
         self._leader: Leader | None = None
         self._stall = Stall.from_env()
         self._downloaded = 0
@@ -255,7 +246,7 @@ class Island:
             except IntegrityError as exc:
                 log.error("%s", exc)
                 code = EXIT_INTEGRITY
-            except IslandError as exc:
+            except (IslandError, ClientError) as exc:
                 log.error("%s", exc)
                 code = EXIT_ERROR
             except Exception:
@@ -296,33 +287,34 @@ class Island:
             lease = self.client.lease(wait_s=cfg.lease_wait_s)
             if lease is not None and self._stop.is_set():  # stopped while the request was held: give it back
                 self._lease = lease
-                self.results.append(
-                    LeaseResult(
-                        lease_id=lease.lease_id, round=lease.round, path_index=lease.path_index, status="stopped"
-                    )
-                )
+                self.results.append(_result(lease, "stopped"))
                 break
             if lease is None:
-                idle = self.client.idle
-                assert idle is not None
-                if idle.reason == "no-running-runs" and (self.rounds_done > 0 or cfg.exit_when_idle):
+                if self._leave_or_wait():
                     log.info("no run is running; leaving after %d lease(s)", self.rounds_done)
                     return EXIT_OK
-                log.debug("no work (%s); asking again in %.1fs", idle.reason, idle.retry_after_s)
-                if self._leader is not None:
-                    self._leader.keepalive()
-                self._stop.wait(idle.retry_after_s)
                 continue
             self._lease = lease
             try:
                 self.results.append(self._work(lease))
             except LeaseLost as exc:
                 log.warning("%s; discarding its work and asking for new work", exc)
-                self.results.append(
-                    LeaseResult(lease_id=lease.lease_id, round=lease.round, path_index=lease.path_index, status="lost")
-                )
+                self.results.append(_result(lease, "lost"))
             self._lease = None
         return EXIT_OK
+
+    def _leave_or_wait(self) -> bool:
+        """After a lease request found no work: True when the island should leave; else wait as long as the
+        coordinator asked (idle followers get a keep-alive first) and return False."""
+        idle = self.client.idle
+        assert idle is not None
+        if idle.reason == "no-running-runs" and (self.rounds_done > 0 or self.config.exit_when_idle):
+            return True
+        log.debug("no work (%s); asking again in %.1fs", idle.reason, idle.retry_after_s)
+        if self._leader is not None:
+            self._leader.keepalive()
+        self._stop.wait(idle.retry_after_s)
+        return False
 
     def _check_fatal(self) -> None:
         if self._heartbeat is not None and self._heartbeat.fatal is not None:
@@ -331,14 +323,14 @@ class Island:
     def _shutdown(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        budget = min(CLEANUP_GIVE_UP_S, self.config.give_up_after_s)
+        budget = self._cleanup_budget_s()
         if self._lease is not None:
-            with contextlib.suppress(IslandError):
+            with contextlib.suppress(IslandError, ClientError):
                 self.client.release(self._lease.lease_id, give_up_after_s=budget)
                 log.info("released lease %d", self._lease.lease_id)
             self._lease = None
         if self._joined:
-            with contextlib.suppress(IslandError):
+            with contextlib.suppress(IslandError, ClientError):
                 self.client.leave(give_up_after_s=budget)
             self._joined = False
         if self._leader is not None:
@@ -347,7 +339,10 @@ class Island:
             self._leader = None
         self.client.close()
 
-    # -- one lease -----------------------------------------------------------------------------------------
+    def _cleanup_budget_s(self) -> float:
+        return min(CLEANUP_GIVE_UP_S, self.config.give_up_after_s)
+
+    # -- one lease: prepare inputs → resume state → train → upload → keep state -------------------------------
 
     def _work(self, lease: LeasePublic) -> LeaseResult:
         assert self._heartbeat is not None
@@ -358,78 +353,29 @@ class Island:
             self._heartbeat.watch(None)
 
     def _train_and_upload(self, lease: LeasePublic) -> LeaseResult:
-        assert self._heartbeat is not None
-        heartbeat = self._heartbeat
-        where = f"lease {lease.lease_id} (run {lease.run_id}, round {lease.round}, path {lease.path_index})"
-        try:
-            model_cfg = ModelConfig.from_dict(lease.model)
-            inner = InnerConfig(**lease.inner)
-        except (TypeError, ValueError) as exc:
-            raise IslandError(f"{where}: bad model or inner config: {exc}") from exc
         t_fetch = time.perf_counter()
-        self._downloaded = 0
-        levels = sorted(lease.modules, key=lambda m: m.level)
-        base = [self._module_weights(m, where) for m in levels]
-        tokens = self._tokens(lease, model_cfg, inner, where)
-        if heartbeat.lease_lost:
-            raise LeaseLost(lease.lease_id, "heartbeat reply no longer lists it")
-
-        try:
-            model = build_path(model_cfg, base).to(self.device)
-        except (RuntimeError, ValueError) as exc:
-            raise IslandError(f"{where}: module weights do not compose a path: {exc}") from exc
-        optimizer = make_optimizer(model, inner)
-        key = (lease.run_id, lease.path_id)
-        if self._leader is None:
-            saved = self._opt_states.get(key)
-        else:  # followers hold the state of the last accepted lease only
-            saved = self._opt_state if self._opt_key == key else None
-        resume = saved is not None
-        if saved is not None:
-            optimizer.load_state_dict(_cpu_copy(saved))
-        torch.manual_seed(lease.seed + self.config.seed_offset)
-        batches = batches_from_tokens(
-            tokens, batch_size=inner.batch_size, seq_len=model_cfg.seq_len, steps=lease.inner_steps
-        )
-        if self._leader is not None:
-            try:
-                self.ranks.rows(inner.batch_size)
-            except ValueError as exc:
-                raise IslandError(f"{where}: {exc}") from exc
-            self._leader.announce(lease, tokens, resume=resume, accepted_lease=self._opt_lease)
-
-        result = LeaseResult(
-            lease_id=lease.lease_id,
-            round=lease.round,
-            path_index=lease.path_index,
-            status="uploaded",
-            tokens=lease.inner_steps * inner.batch_size * model_cfg.seq_len,
+        inputs = self._prepare(lease)
+        model, optimizer = self._resume(lease, inputs)
+        result = _result(
+            lease,
+            "uploaded",
+            tokens=lease.inner_steps * inputs.inner.batch_size * inputs.model_cfg.seq_len,
             download_bytes=self._downloaded,
             fetch_s=time.perf_counter() - t_fetch,
         )
-        elapsed = self._inner_steps(lease, model, optimizer, batches, inner, result)
+        torch.manual_seed(lease.seed + self.config.seed_offset)
+        batches = batches_from_tokens(
+            inputs.tokens, batch_size=inputs.inner.batch_size, seq_len=inputs.model_cfg.seq_len, steps=lease.inner_steps
+        )
+        elapsed = self._inner_steps(lease, model, optimizer, batches, inputs.inner, result)
         if result.status == "stopped":
-            self.client.release(lease.lease_id, give_up_after_s=min(CLEANUP_GIVE_UP_S, self.config.give_up_after_s))
-            log.info("released %s after %d of %d steps", where, len(result.losses), lease.inner_steps)
-            self._lease = None
+            self._give_back(lease, inputs.where, result)
             return result
-        result.tokens_per_s = result.tokens / max(elapsed, 1e-9)
         result.train_s = elapsed
-        t_upload = time.perf_counter()
-
-        payload = encode(self._outer_gradients(levels, base, model))
-        result.upload_bytes = len(payload)
-        mean_loss = sum(result.losses) / len(result.losses)
-        contribution = self.client.upload(lease, payload, tokens=result.tokens, train_loss=mean_loss)
-        result.upload_s = time.perf_counter() - t_upload
+        result.tokens_per_s = result.tokens / max(elapsed, 1e-9)
+        contribution = self._upload(lease, inputs, model, result=result)
         # The inner state is kept only once the coordinator has accepted the work it belongs to.
-        self._opt_key, self._opt_state = key, _cpu_copy(optimizer.state_dict())
-        self._opt_lease = lease.lease_id
-        if self._leader is None:
-            self._opt_states[key] = self._opt_state
-            self._opt_states.move_to_end(key)
-            while len(self._opt_states) > self.config.optimizer_cache:
-                self._opt_states.popitem(last=False)
+        self._inner_states.accept((lease.run_id, lease.path_id), lease.lease_id, optimizer.state_dict())
         log.info(
             "round %d path %d: loss %.4f→%.4f, %.0f tok/s, upload %.2f MB%s",
             lease.round,
@@ -441,6 +387,44 @@ class Island:
             " (round applied)" if contribution.round_applied else "",
         )
         return result
+
+    def _prepare(self, lease: LeasePublic) -> _Inputs:
+        """Check the lease's configs, get its module weights and token range (cache or network)."""
+        assert self._heartbeat is not None
+        where = f"lease {lease.lease_id} (run {lease.run_id}, round {lease.round}, path {lease.path_index})"
+        try:
+            model_cfg = ModelConfig.from_dict(lease.model)
+            inner = InnerConfig(**lease.inner)
+        except (TypeError, ValueError) as exc:
+            raise IslandError(f"{where}: bad model or inner config: {exc}") from exc
+        self._downloaded = 0
+        levels = sorted(lease.modules, key=lambda m: m.level)
+        base = [self._module_weights(m, where) for m in levels]
+        tokens = self._tokens(lease, model_cfg, inner, where)
+        if self._heartbeat.lease_lost:
+            raise LeaseLost(lease.lease_id, "heartbeat reply no longer lists it")
+        return _Inputs(where=where, model_cfg=model_cfg, inner=inner, levels=levels, base=base, tokens=tokens)
+
+    def _resume(self, lease: LeasePublic, inputs: _Inputs) -> tuple[PathModel, torch.optim.Optimizer]:
+        """Compose the path from its base weights and give it the inner AdamW state kept for (run, path), if any;
+        on a multi-process island, announce the lease (and whether to resume) to the followers."""
+        try:
+            model = build_path(inputs.model_cfg, inputs.base).to(self.device)
+        except (RuntimeError, ValueError) as exc:
+            raise IslandError(f"{inputs.where}: module weights do not compose a path: {exc}") from exc
+        optimizer = make_optimizer(model, inputs.inner)
+        saved = self._inner_states.get((lease.run_id, lease.path_id))
+        if saved is not None:
+            optimizer.load_state_dict(saved)
+        if self._leader is not None:
+            try:
+                self.ranks.rows(inputs.inner.batch_size)
+            except ValueError as exc:
+                raise IslandError(f"{inputs.where}: {exc}") from exc
+            self._leader.announce(
+                lease, inputs.tokens, resume=saved is not None, accepted_lease=self._inner_states.last_lease
+            )
+        return model, optimizer
 
     def _inner_steps(
         self,
@@ -458,28 +442,7 @@ class Island:
         """
         heartbeat = self._heartbeat
         assert heartbeat is not None
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-        if self.device.type == "cuda":
-            # bf16 autocast around the forward; parameters and AdamW state stay fp32.
-            def autocast() -> contextlib.AbstractContextManager[Any]:
-                return torch.autocast("cuda", dtype=torch.bfloat16)
-
-        progress = Progress(
-            TextColumn("round {task.fields[round]} path {task.fields[path]}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[tps]} tok/s"),
-            TimeElapsedColumn(),
-            console=self.console,
-            disable=self.config.quiet,
-            transient=False,
-            refresh_per_second=2,  # the bar redraws from a thread; fewer redraws, less GIL taken from training
-        )
-        tokens_per_step = inner.batch_size * model.cfg.seq_len
         lost = False
-        t0 = time.perf_counter()
-        last_shown = 0.0
 
         def before_step(i: int) -> bool:
             nonlocal lost
@@ -493,28 +456,15 @@ class Island:
                 return False
             return True
 
-        def after_step(i: int, loss: torch.Tensor) -> None:
-            nonlocal last_shown
-            if self.config.quiet:
-                return
-            now = time.perf_counter()
-            # Reading the loss syncs the device: do it at most a few times a second, never every step.
-            if now - last_shown < 0.25 and i + 1 < len(batches):
-                progress.update(task, advance=1)
-                return
-            last_shown = now
-            value = float(loss)
-            progress.update(
-                task,
-                advance=1,
-                loss=f"{value:.4f}" if math.isfinite(value) else str(value),
-                tps=f"{tokens_per_step * (i + 1) / max(now - t0, 1e-9):.0f}",
-            )
-
+        progress = LeaseProgress(
+            self.console,
+            round=lease.round,
+            path_index=lease.path_index,
+            steps=len(batches),
+            tokens_per_step=inner.batch_size * model.cfg.seq_len,
+            quiet=self.config.quiet,
+        )
         with progress:
-            task = progress.add_task(
-                "train", total=len(batches), round=lease.round, path=lease.path_index, loss="-", tps="-"
-            )
             t0 = time.perf_counter()
             result.losses = inner_phase(
                 model,
@@ -524,9 +474,9 @@ class Island:
                 first_step=lease.first_step,
                 device=self.device,
                 ranks=self.ranks,
-                autocast=autocast,
+                autocast=_autocast(self.device),
                 before_step=before_step,
-                after_step=after_step,
+                after_step=progress.step,
             )
             elapsed = time.perf_counter() - t0
         if lost:
@@ -534,17 +484,23 @@ class Island:
             raise LeaseLost(lease.lease_id, "heartbeat reply no longer lists it")
         return elapsed
 
-    @staticmethod
-    def _outer_gradients(
-        levels: list[LeaseModule], base: list[dict[str, torch.Tensor]], model: PathModel
-    ) -> dict[str, torch.Tensor]:
-        """Per-module base − trained, named f"{level_name}/{param_name}" (the upload contract)."""
-        trained = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
-        grads: dict[str, torch.Tensor] = {}
-        for module, weights in zip(levels, base, strict=True):
-            outer = pseudo_gradient(weights, {name: trained[name] for name in weights})
-            grads.update({f"{module.level_name}{GRAD_KEY_SEP}{name}": t for name, t in outer.items()})
-        return grads
+    def _give_back(self, lease: LeasePublic, where: str, result: LeaseResult) -> None:
+        """A stop request came during the inner steps: release the lease at once (its path goes back to the pool)."""
+        self.client.release(lease.lease_id, give_up_after_s=self._cleanup_budget_s())
+        log.info("released %s after %d of %d steps", where, len(result.losses), lease.inner_steps)
+        self._lease = None
+
+    def _upload(
+        self, lease: LeasePublic, inputs: _Inputs, model: PathModel, *, result: LeaseResult
+    ) -> ContributionPublic:
+        """Encode the per-module outer gradients and upload them; raises `LeaseLost` on 409."""
+        t_upload = time.perf_counter()
+        payload = encode(_outer_gradients(inputs.levels, inputs.base, model))
+        result.upload_bytes = len(payload)
+        mean_loss = sum(result.losses) / len(result.losses)
+        contribution = self.client.upload(lease, payload, tokens=result.tokens, train_loss=mean_loss)
+        result.upload_s = time.perf_counter() - t_upload
+        return contribution
 
     # -- inputs ----------------------------------------------------------------------------------------------
 
@@ -581,6 +537,33 @@ class Island:
                 f"{lease.inner_steps} steps need {need}"
             )
         return torch.from_numpy(tokens[lease.token_start : lease.token_end].astype("int64"))
+
+
+def _result(lease: LeasePublic, status: Literal["uploaded", "lost", "stopped"], **fields: Any) -> LeaseResult:
+    return LeaseResult(lease_id=lease.lease_id, round=lease.round, path_index=lease.path_index, status=status, **fields)
+
+
+def _autocast(device: torch.device) -> AutocastFactory:
+    """bf16 autocast around the forward on CUDA (parameters and AdamW state stay fp32); nothing elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext
+
+    def bf16() -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+
+    return bf16
+
+
+def _outer_gradients(
+    levels: list[LeaseModule], base: list[dict[str, torch.Tensor]], model: PathModel
+) -> dict[str, torch.Tensor]:
+    """Per-module base − trained, named f"{level_name}/{param_name}" (the upload contract)."""
+    trained = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
+    grads: dict[str, torch.Tensor] = {}
+    for module, weights in zip(levels, base, strict=True):
+        outer = pseudo_gradient(weights, {name: trained[name] for name in weights})
+        grads.update({f"{module.level_name}{GRAD_KEY_SEP}{name}": t for name, t in outer.items()})
+    return grads
 
 
 def _retry_integrity_once(fetch: Callable[[], bytes]) -> Callable[[], bytes]:

@@ -1,4 +1,7 @@
-"""A hand-written fake coordinator for island tests: real HTTP semantics over `httpx.MockTransport`.
+"""A hand-written fake coordinator for the client's own tests (tests/island/test_island_client.py): real HTTP
+semantics over `httpx.MockTransport`. The island's tests do not use it: they run against the real app
+(tests/island/real_coordinator.py, tests/island/faulty_transport.py); this fake goes once the client tests stop
+using it.
 
 It implements the island-facing endpoints of the REST contract with in-memory state, a plain outer step
 (new weights = base - averaged outer gradient, i.e. outer lr 1 without momentum) and fault injection keyed
@@ -18,10 +21,8 @@ from typing import Any
 
 import httpx
 import numpy as np
-import torch
 
 from coordinator.schemas import GRAD_KEY_SEP, H_ROUND, H_TOKENS, H_TRAIN_LOSS
-from island.client import CoordinatorClient, RetryPolicy
 from modules import ModelConfig, decode, encode, flavour, grid_layout, init_level_modules
 from modules.layout import Layout
 
@@ -83,23 +84,17 @@ class FakeCoordinator:
             self.shards[p] = self._store(tokens.astype("<u2").tobytes())
         self.island_token: str | None = None
         self.leases: dict[int, dict[str, Any]] = {}
-        self.lease_base: dict[int, list[str]] = {}
-        """lease id -> weight hashes (level order) it was issued with."""
         self.uploads: list[Upload] = []
         self.upload_attempts: list[int] = []
         self.released: list[int] = []
         self.left = False
         self.heartbeats = 0
-        self.heartbeat_seen = threading.Event()
         self.requests: list[tuple[str, str]] = []
         self.faults: dict[str, list[Fault]] = {}
         self.conflict_leases: set[int] = set()
-        self.lost_leases: set[int] = set()
         self.corrupt_weights = 0
         self.idle_first: list[tuple[str, str]] = []
         """(X-Dipaco-Idle, Retry-After) 204 replies to give before handing out the plan."""
-        self.on_lease: Callable[[int], None] | None = None
-        self.wait_heartbeat_before_tokens = False
         self.cursor: dict[int, int] = {}
         self.round = 0
 
@@ -116,11 +111,6 @@ class FakeCoordinator:
 
     def fail(self, endpoint: str, *faults: int | Fault) -> None:
         self.faults.setdefault(endpoint, []).extend(f if isinstance(f, Fault) else Fault(f) for f in faults)
-
-    def client(self, **retry: float) -> CoordinatorClient:
-        policy = RetryPolicy(**{"give_up_after_s": 2.0, "base_s": 0.001, "cap_s": 0.01, **retry})
-        http = httpx.Client(transport=httpx.MockTransport(self), base_url=BASE_URL)
-        return CoordinatorClient(BASE_URL, JOIN_TOKEN, http=http, retry=policy)
 
     def count(self, method: str, pattern: str) -> int:
         return sum(1 for m, p in self.requests if m == method and re.fullmatch(pattern, p))
@@ -178,8 +168,7 @@ class FakeCoordinator:
 
     def _heartbeat(self, request: httpx.Request, body: bytes, island_id: int) -> httpx.Response:
         self.heartbeats += 1
-        self.heartbeat_seen.set()
-        active = [i for i, lease in self.leases.items() if lease["status"] == "active" and i not in self.lost_leases]
+        active = [i for i, lease in self.leases.items() if lease["status"] == "active"]
         return httpx.Response(
             200,
             json={
@@ -242,10 +231,7 @@ class FakeCoordinator:
             "status": "active",
         }
         self.leases[lease_id] = lease
-        self.lease_base[lease_id] = [m["weights_hash"] for m in modules]
         self.round += 1
-        if self.on_lease is not None:
-            self.on_lease(lease_id)
         return httpx.Response(200, json=lease)
 
     def _weights(self, request: httpx.Request, body: bytes, module_id: int) -> httpx.Response:
@@ -263,13 +249,6 @@ class FakeCoordinator:
         return httpx.Response(200, content=data, headers={"ETag": f'"{digest}"'})
 
     def _tokens(self, request: httpx.Request, body: bytes, shard_id: int) -> httpx.Response:
-        if self.wait_heartbeat_before_tokens:
-            self.lock.release()  # let the heartbeat thread in while we wait
-            try:
-                self.heartbeat_seen.clear()
-                self.heartbeat_seen.wait(5)
-            finally:
-                self.lock.acquire()
         digest = self.shards[shard_id - 50]
         return httpx.Response(200, content=self.blobs[digest], headers={"ETag": f'"{digest}"'})
 
@@ -285,7 +264,7 @@ class FakeCoordinator:
         lease = self.leases.get(lease_id)
         if lease is None:
             return self._error(404, f"lease {lease_id} does not exist")
-        if lease_id in self.conflict_leases or lease_id in self.lost_leases:
+        if lease_id in self.conflict_leases:
             lease["status"] = "expired"
             return self._error(409, f"lease {lease_id} was issued for round {lease['round']}, the round is closed")
         if int(request.headers[H_ROUND]) != lease["round"]:
@@ -312,7 +291,3 @@ class FakeCoordinator:
             new = {name: base[name] - grads[prefix + name] for name in base}
             self.versions[module["module_id"]].append(self._store(encode(new)))
         return httpx.Response(200, json=contribution)
-
-
-def decode_upload(upload: Upload) -> dict[str, torch.Tensor]:
-    return decode(upload.body)

@@ -18,6 +18,7 @@ runner = CliRunner()
 def test_public_surface_is_pinned() -> None:
     assert sorted(island.__all__) == [
         "BlobCache",
+        "ClientError",
         "CoordinatorClient",
         "CoordinatorUnavailable",
         "IntegrityError",

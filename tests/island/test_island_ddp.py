@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
-from island.distributed import Follower, Leader
+from island.distributed import Follower, Leader, free_port
 from island.inner import Ranks, inner_phase
 from modules import (
     InnerConfig,
@@ -129,12 +128,6 @@ def _protocol_worker(rank: int, world: int, port: int, out: str) -> None:
     leader.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(got) == sorted(want)
     for name in want:
@@ -145,14 +138,14 @@ def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_give_the_one_process_outer_gradient(tmp_path: Path) -> None:
     out = tmp_path / "grads.safetensors"
-    mp.spawn(_inner_phase_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_inner_phase_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     _assert_close(decode(out.read_bytes()), _one_process(1)[0])
 
 
 @pytest.mark.timeout(120)
 def test_leader_follower_protocol_matches_one_process_across_two_leases(tmp_path: Path) -> None:
     out = tmp_path / "grads"
-    mp.spawn(_protocol_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_protocol_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
     want = _one_process(2)
     for r in range(2):
         _assert_close(decode((tmp_path / f"grads.{r}").read_bytes()), want[r])

@@ -1,249 +1,506 @@
-"""Island.run() end to end against the fake coordinator, with a debug model on CPU."""
+"""Island.run() end to end against the REAL coordinator app (debug model, CPU).
+
+The island reaches the app through `FaultyTransport` (tests/island/faulty_transport.py); a test injects a fault
+only where the app cannot produce one itself (5xx bursts, refused connections, lost replies, corrupt bytes) and
+uses `Before` hooks to act on the coordinator at an exact point (its fake clock past a lease's expiry, a rival
+island, a stop request). What the island uploaded is read back from the coordinator's blob store and checked
+bit for bit against an in-process replay, and the module versions the rounds produced against
+`modules.outer_update` applied to that replay.
+"""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import logging
 import os
 import signal
-from pathlib import Path
+import threading
+from collections import OrderedDict, defaultdict
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from rich.console import Console
 
 from coordinator.schemas import GRAD_KEY_SEP, IslandCapabilities, LeasePublic
+from island.client import CoordinatorClient
+from island.faults import STALL_ENV
 from island.heartbeat import Heartbeater
 from island.worker import EXIT_ERROR, EXIT_INTEGRITY, EXIT_OK, EXIT_UNAVAILABLE, Island, IslandConfig
 from modules import (
     InnerConfig,
     ModelConfig,
+    OuterConfig,
     batches_from_tokens,
     build_path,
     decode,
-    level_param_shapes,
     make_optimizer,
+    outer_update,
     pseudo_gradient,
     train_steps,
 )
-from tests.island.island_fakes import BASE_URL, JOIN_TOKEN, FakeCoordinator, Fault
+from tests.conftest import JOIN
+from tests.coordinator.helpers import A, upload
+from tests.coordinator.helpers import join as join_as
+from tests.coordinator.helpers import lease as lease_for
+from tests.island.faulty_transport import Before, Corrupt, Drop, FaultyTransport, LoseReply, Reply
+from tests.island.real_coordinator import ONE_PATH, TWO_PATHS, Coordinator
+
+Tensors = dict[str, torch.Tensor]
+
+# -- reading back what happened ----------------------------------------------------------------------------------
 
 
-def make_island(fake: FakeCoordinator, tmp_path: Path, **overrides: Any) -> Island:
-    config = IslandConfig(
-        **{
-            "coordinator": BASE_URL,
-            "token": JOIN_TOKEN,
-            "name": "test-island",
-            "device": "cpu",
-            "cache_dir": tmp_path / "cache",
-            "quiet": True,
-            "probe": False,
-            "handle_signals": False,
-            **overrides,
-        }
-    )
-    return Island(config, client=fake.client(), console=Console(file=io.StringIO(), width=120))
+def leases_of(transport: FaultyTransport) -> dict[int, LeasePublic]:
+    """Every lease the coordinator handed to the island, by id."""
+    return {e.reply["lease_id"]: LeasePublic.model_validate(e.reply) for e in transport.to("lease") if e.status == 200}
 
 
-def replay(fake: FakeCoordinator, lease_ids: list[int], *, keep_state: bool = True) -> dict[int, dict[str, Any]]:
-    """Recompute the outer gradients of accepted leases from scratch, the way the island should."""
-    out: dict[int, dict[str, Any]] = {}
-    saved: dict[tuple[int, int], dict[str, Any]] = {}
-    for lease_id in lease_ids:
-        lease = LeasePublic.model_validate(fake.leases[lease_id])
+def accepted(island: Island, transport: FaultyTransport) -> list[LeasePublic]:
+    """The leases whose upload the coordinator accepted, in the order the island trained them."""
+    leases = leases_of(transport)
+    return [leases[r.lease_id] for r in island.results if r.status == "uploaded"]
+
+
+def stored_upload(coordinator: Coordinator, transport: FaultyTransport, lease_id: int) -> Tensors:
+    """The outer gradients of a lease as the coordinator stored them (by the sha256 of what the island sent)."""
+    [body] = {e.body for e in transport.to("upload") if e.path == f"/v1/leases/{lease_id}/outer-gradients"}
+    stored = coordinator.stored_blob(hashlib.sha256(body).hexdigest())
+    assert stored == body
+    return decode(stored)
+
+
+def replay(coordinator: Coordinator, leases: list[LeasePublic], *, capacity: int) -> dict[int, Tensors]:
+    """Recompute the outer gradients of accepted `leases` from scratch, the way the island should: base weights and
+    tokens from the coordinator, `modules.train_steps`, and the AdamW state of the `capacity` paths trained last."""
+    out: dict[int, Tensors] = {}
+    saved: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
+    for lease in leases:
         cfg = ModelConfig.from_dict(lease.model)
         inner = InnerConfig(**lease.inner)
-        base = [decode(fake.blobs[h]) for h in fake.lease_base[lease_id]]
+        modules = sorted(lease.modules, key=lambda m: m.level)
+        base = [coordinator.weights(m.module_id, m.version) for m in modules]
         model = build_path(cfg, base)
         optimizer = make_optimizer(model, inner)
         key = (lease.run_id, lease.path_id)
-        if keep_state and key in saved:
+        if key in saved:
             optimizer.load_state_dict(copy.deepcopy(saved[key]))
         torch.manual_seed(lease.seed)
-        shard = np.frombuffer(fake.blobs[lease.shard.tokens_hash], dtype="<u2")
-        tokens = torch.from_numpy(shard[lease.token_start : lease.token_end].astype("int64"))
+        tokens = coordinator.tokens(lease)
         batches = batches_from_tokens(tokens, batch_size=inner.batch_size, seq_len=cfg.seq_len, steps=lease.inner_steps)
         train_steps(model, optimizer, batches, inner, first_step=lease.first_step)
         trained = model.state_dict()
-        grads: dict[str, Any] = {}
-        for module, weights in zip(lease.modules, base, strict=True):
+        grads: Tensors = {}
+        for module, weights in zip(modules, base, strict=True):
             g = pseudo_gradient(weights, {n: trained[n] for n in weights})
             grads.update({f"{module.level_name}{GRAD_KEY_SEP}{n}": t for n, t in g.items()})
-        out[lease_id] = grads
+        out[lease.lease_id] = grads
         saved[key] = copy.deepcopy(optimizer.state_dict())
+        saved.move_to_end(key)
+        while len(saved) > capacity:
+            saved.popitem(last=False)
     return out
 
 
-@pytest.mark.parametrize("plan", [[0, 0], [0, 3]], ids=["same-path-keeps-adamw", "new-path-resets-adamw"])
-def test_run_uploads_outer_gradients_equal_to_a_replay(
-    plan: list[int], tmp_path: Path, caplog: pytest.LogCaptureFixture
+def same(got: Tensors, want: Tensors) -> bool:
+    return sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def assert_same(got: Tensors, want: Tensors) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == torch.float32 and bool(torch.isfinite(got[name]).all()), name
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def assert_rounds_apply(
+    coordinator: Coordinator, run: dict[str, Any], leases: list[LeasePublic], grads: dict[int, Tensors]
 ) -> None:
-    fake = FakeCoordinator(plan=plan)
+    """Every module version after round r equals `outer_update` of version r with the outer gradients of round r's
+    leases through it, under the run's outer config (all rounds from 0, every contribution in `leases`)."""
+    outer = OuterConfig(**run["config"]["outer"])
+    assert outer.weighting == "uniform"
+    momentum: dict[int, Tensors | None] = {}
+    for rnd in sorted({lease.round for lease in leases}):
+        through: defaultdict[int, list[Tensors]] = defaultdict(list)
+        version: dict[int, int] = {}
+        for lease in (lease for lease in leases if lease.round == rnd):
+            for m in lease.modules:
+                prefix = f"{m.level_name}{GRAD_KEY_SEP}"
+                g = grads[lease.lease_id]
+                through[m.module_id].append({k.removeprefix(prefix): t for k, t in g.items() if k.startswith(prefix)})
+                version[m.module_id] = m.version
+        for module_id, module_grads in through.items():
+            base = coordinator.weights(module_id, version[module_id])
+            want, momentum[module_id] = outer_update(
+                base, module_grads, [1.0] * len(module_grads), momentum.get(module_id), outer
+            )
+            assert_same(coordinator.weights(module_id, version[module_id] + 1), want)
+
+
+class LogSeen(logging.Handler):
+    """Sets `seen` once a record containing `text` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
+def no_tracebacks(caplog: pytest.LogCaptureFixture) -> bool:
+    return all(r.exc_info is None for r in caplog.records)
+
+
+# -- the protocol ------------------------------------------------------------------------------------------------
+
+
+def test_uploads_equal_a_replay_and_the_rounds_apply_them(
+    coordinator: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = coordinator.create_run(layout=ONE_PATH, num_rounds=2)
+    island, transport = coordinator.island(quiet=False)
     out = io.StringIO()
-    island = make_island(fake, tmp_path, quiet=False)
     island.console = Console(file=out, width=120, force_terminal=False)
     with caplog.at_level(logging.INFO, logger="island"):
         assert island.run() == EXIT_OK
 
-    assert [u.lease_id for u in fake.uploads] == [1, 2]
-    assert [r.status for r in island.results] == ["uploaded", "uploaded"]
-    assert fake.left and fake.released == []
-    expected_shapes = {
-        f"{level.name}{GRAD_KEY_SEP}{name}": shape
-        for li, level in enumerate(fake.layout.levels)
-        for name, shape in level_param_shapes(fake.model, fake.layout, li).items()
-    }
-    replayed = replay(fake, [1, 2])
-    for upload in fake.uploads:
-        grads = decode(upload.body)
-        assert {n: tuple(t.shape) for n, t in grads.items()} == expected_shapes
-        assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in grads.values())
-        assert any(t.abs().max() > 0 for t in grads.values())
-        for name, t in grads.items():
-            torch.testing.assert_close(t, replayed[upload.lease_id][name], rtol=1e-5, atol=1e-7)
-        lease = fake.leases[upload.lease_id]
-        assert int(upload.headers["x-dipaco-tokens"]) == lease["inner_steps"] * 2 * fake.model.seq_len
-        assert np.isfinite(float(upload.headers["x-dipaco-train-loss"]))
+    assert [(r.round, r.path_index, r.status) for r in island.results] == [(0, 0, "uploaded"), (1, 0, "uploaded")]
+    leases = accepted(island, transport)
+    replayed = replay(coordinator, leases, capacity=4)
+    for lease in leases:
+        assert_same(stored_upload(coordinator, transport, lease.lease_id), replayed[lease.lease_id])
+    assert_rounds_apply(coordinator, run, leases, replayed)
+    # The second lease continued the first one's AdamW state (a fresh optimizer gives other numbers).
+    assert not same(replayed[leases[1].lease_id], replay(coordinator, leases[1:], capacity=4)[leases[1].lease_id])
 
-    # The second lease on the same path must have continued the AdamW state; on a new path, reset it.
-    fresh = replay(fake, [2], keep_state=False)[2]
-    same = all(torch.allclose(decode(fake.uploads[1].body)[n], fresh[n], rtol=1e-5, atol=1e-7) for n in fresh)
-    assert same == (plan[0] != plan[1])
-
-    # Round 1 started from the weights the fake's outer step produced, and module blobs were cached.
-    assert fake.lease_base[1] != fake.lease_base[2]
-    assert any(
-        f"round 0 path {plan[0]}: loss" in r.getMessage() and "tok/s, upload" in r.getMessage() for r in caplog.records
-    )
-    assert "round 1 path" in out.getvalue()  # the progress bar was drawn
+    contributions = coordinator.get("/v1/contributions", run_id=run["id"])["data"]
+    assert [c["lease_id"] for c in contributions] == [lease.lease_id for lease in leases]
+    for c, result in zip(contributions, island.results, strict=True):
+        assert c["tokens"] == run["inner_steps"] * 2 * 16 == result.tokens  # H x batch x seq_len
+        assert c["train_loss"] == pytest.approx(sum(result.losses) / len(result.losses))
+    assert coordinator.get(f"/v1/runs/{run['id']}")["status"] == "finished"
+    assert [e.status for e in transport.to("leave")] == [204] and transport.to("release") == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("round 0 path 0: loss") and "tok/s, upload" in m for m in messages)
+    assert any(m.startswith("round 1 path 0") and m.endswith("(round applied)") for m in messages)
+    assert "round 1 path 0" in out.getvalue()  # the progress bar was drawn
 
 
-def test_inner_state_is_kept_per_path_when_an_island_alternates(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0, 3, 0])
-    island = make_island(fake, tmp_path)
+@pytest.mark.parametrize("capacity", [1, 4], ids=["cache-1", "cache-4"])
+def test_inner_state_is_kept_per_path_when_an_island_alternates(coordinator: Coordinator, capacity: int) -> None:
+    run = coordinator.create_run(layout=TWO_PATHS, num_rounds=2)
+    island, transport = coordinator.island(optimizer_cache=capacity)
     assert island.run() == EXIT_OK
-    assert [u.lease_id for u in fake.uploads] == [1, 2, 3]
-    replayed = replay(fake, [1, 2, 3])
-    third = decode(fake.uploads[2].body)
-    for name, t in third.items():
-        torch.testing.assert_close(t, replayed[3][name], rtol=1e-5, atol=1e-7)
-    # path 0's AdamW state came back after a lease on path 3: not the same as a fresh optimizer
-    fresh = replay(fake, [3], keep_state=False)[3]
-    assert not all(torch.allclose(third[n], fresh[n], rtol=1e-5, atol=1e-7) for n in fresh)
+
+    leases = accepted(island, transport)
+    # Both paths in round 0, then both again: the path trained first came back after a lease of the other one.
+    assert [lease.round for lease in leases] == [0, 0, 1, 1]
+    assert sorted(lease.path_index for lease in leases) == [0, 0, 1, 1]
+    replayed = replay(coordinator, leases, capacity=capacity)
+    for lease in leases:
+        assert_same(stored_upload(coordinator, transport, lease.lease_id), replayed[lease.lease_id])
+    assert_rounds_apply(coordinator, run, leases, replayed)
+    # The number of paths kept changes the numbers, so the comparison above tells them apart.
+    other = replay(coordinator, leases, capacity=5 - capacity)
+    assert not all(same(replayed[lease.lease_id], other[lease.lease_id]) for lease in leases)
 
 
-def test_409_on_upload_discards_the_lease_and_asks_for_new_work(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0, 0])
-    fake.conflict_leases.add(1)
-    island = make_island(fake, tmp_path)
-    assert island.run() == EXIT_OK
-    assert [r.status for r in island.results] == ["lost", "uploaded"]
-    assert fake.upload_attempts == [1, 2] and [u.lease_id for u in fake.uploads] == [2]
-    assert fake.count("POST", r"/v1/islands/7/lease") == 3  # lost, trained, then "no-running-runs"
-    # The discarded lease's AdamW steps were not kept: lease 2 replays from a fresh optimizer.
-    replayed = replay(fake, [2])[2]
-    for name, t in decode(fake.uploads[0].body).items():
-        torch.testing.assert_close(t, replayed[name], rtol=1e-5, atol=1e-7)
+def test_409_on_upload_discards_the_lease_and_asks_for_new_work(
+    coordinator: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = coordinator.create_run(layout=ONE_PATH, num_rounds=2)
+    island, transport = coordinator.island()
+    app = coordinator.app
+
+    def rival_closes_the_round() -> None:
+        """The island's lease expires (no heartbeat in between: 10 s interval) and a rival trains the path and
+        closes round 0 before the island's upload arrives."""
+        coordinator.clock.advance(run["lease_ttl_s"] + 1)
+        rival, headers = join_as(app, "rival")
+        body = lease_for(app, rival, headers)
+        assert body is not None and (body["round"], body["path_index"]) == (0, 0)
+        zeros = {
+            f"{m['level_name']}{GRAD_KEY_SEP}{k}": torch.zeros_like(t)
+            for m in body["modules"]
+            for k, t in coordinator.weights(m["module_id"], m["version"]).items()
+        }
+        r = upload(app, body, headers, zeros)
+        assert r.status_code == 200 and r.json()["round_applied"], r.text
+        assert app.delete(f"/v1/islands/{rival}", headers=headers).status_code == 204
+
+    transport.inject("upload", Before(rival_closes_the_round))
+    with caplog.at_level(logging.WARNING, logger="island"):
+        assert island.run() == EXIT_OK
+
+    [fired] = transport.fired
+    assert (fired.endpoint, fired.status) == ("upload", 409)
+    assert fired.reply == {"detail": "lease 1 was issued for round 0, the run is at round 1"}
+    lost, retrained = island.results
+    assert (lost.lease_id, lost.round, lost.status) == (1, 0, "lost")
+    assert (retrained.round, retrained.status) == (1, "uploaded")
+    assert [e.status for e in transport.to("lease")] == [200, 200, 204]  # lost, trained, then "no-running-runs"
+    paths = [f"/v1/leases/{n}/outer-gradients" for n in (1, retrained.lease_id)]
+    assert [e.path for e in transport.to("upload")] == paths
+    assert any("lease 1 lost" in r.getMessage() and "discarding its work" in r.getMessage() for r in caplog.records)
+    # The discarded lease's AdamW steps were not kept: the next lease replays from a fresh optimizer.
+    leases = leases_of(transport)
+    first, second = leases[1], leases[retrained.lease_id]
+    fresh = replay(coordinator, [second], capacity=4)[second.lease_id]
+    assert_same(stored_upload(coordinator, transport, second.lease_id), fresh)
+    assert not same(fresh, replay(coordinator, [first, second], capacity=4)[second.lease_id])
 
 
-def test_heartbeat_that_no_longer_lists_the_lease_abandons_it(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[1, 2], inner_steps=20, heartbeat_interval_s=0.01)
-    fake.lost_leases.add(1)
-    fake.wait_heartbeat_before_tokens = True
-    island = make_island(fake, tmp_path)
-    assert island.run() == EXIT_OK
-    assert [r.status for r in island.results] == ["lost", "uploaded"]
-    assert 1 not in fake.upload_attempts and fake.released == []
+def test_heartbeat_that_no_longer_lists_the_lease_abandons_it(
+    make_coordinator: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    coordinator: Coordinator = make_coordinator(heartbeat_interval_s=0.05)
+    run = coordinator.create_run(layout=ONE_PATH, num_rounds=1)
+    island, transport = coordinator.island()
+
+    def expire_the_lease() -> None:
+        """While the island fetches its tokens: a heartbeat while the lease is active, then the coordinator's
+        clock past its expiry, then heartbeats until one sent after that has been read by the island."""
+        transport.wait_for("heartbeat", transport.count("heartbeat") + 2)
+        coordinator.clock.advance(run["lease_ttl_s"] + 1)
+        transport.wait_for("heartbeat", transport.count("heartbeat") + 3)
+
+    transport.inject("tokens", Before(expire_the_lease))
+    with caplog.at_level(logging.WARNING, logger="island"):
+        assert island.run() == EXIT_OK
+
+    assert [e.endpoint for e in transport.fired] == ["tokens"]
+    beats = [e.reply["active_lease_ids"] for e in transport.to("heartbeat")]
+    assert [1] in beats and [] in beats  # listed while active, then no longer
+    assert any("lease 1 is no longer active on the coordinator" in r.getMessage() for r in caplog.records)
+    assert [(r.lease_id, r.status) for r in island.results] == [(1, "lost"), (2, "uploaded")]
+    first, second = leases_of(transport).values()
+    assert (second.round, second.path_index) == (first.round, first.path_index)  # back in the pool, same round
+    assert [e.path for e in transport.to("upload")] == ["/v1/leases/2/outer-gradients"]
+    assert transport.to("release") == []  # an expired lease is not given back
 
 
-def test_heartbeater_flags_only_the_watched_lease(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0])
-    client = fake.client()
-    client.join("x", "lab", IslandCapabilities())
+def test_heartbeater_flags_only_the_watched_lease(coordinator: Coordinator) -> None:
+    run = coordinator.create_run(layout=ONE_PATH)
+    client = CoordinatorClient(str(coordinator.app.base_url), JOIN, http=coordinator.app)
+    client.join("beater", "lab", IslandCapabilities())
     lease = client.lease()
     assert lease is not None
     beater = Heartbeater(client, interval_s=1.0)
+    beater.beat_once()
+    assert not beater.lease_lost and beater.beats == 1
     beater.watch(lease.lease_id)
     beater.beat_once()
     assert not beater.lease_lost
-    fake.lost_leases.add(lease.lease_id)
+    coordinator.clock.advance(run["lease_ttl_s"] + 1)  # the lease expires: the next reply does not list it
     beater.beat_once()
     assert beater.lease_lost
     beater.watch(None)
     assert not beater.lease_lost
+    beater.beat_once()
+    assert not beater.lease_lost  # nothing watched, nothing lost
 
 
-def test_stop_request_releases_the_lease_and_leaves(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0, 1])
-    island = make_island(fake, tmp_path)
-    fake.on_lease = lambda lease_id: island.request_stop(signal.SIGTERM)
+def test_stop_request_while_leasing_releases_the_lease_and_leaves(coordinator: Coordinator) -> None:
+    coordinator.create_run(layout=ONE_PATH)
+    island, transport = coordinator.island()
+    transport.inject("lease", Before(lambda: island.request_stop(signal.SIGTERM)))
     assert island.run() == 128 + signal.SIGTERM
-    assert fake.released == [1] and fake.left and fake.uploads == []
-    assert island.results[0].status == "stopped"
+    assert [e.endpoint for e in transport.fired] == ["lease"]
+    assert [e.reply for e in transport.to("release")] == [{"lease_id": 1, "status": "released"}]
+    assert [e.status for e in transport.to("leave")] == [204] and transport.to("upload") == []
+    assert [(r.lease_id, r.status) for r in island.results] == [(1, "stopped")]
 
 
-def test_sigint_is_handled_and_handlers_restored(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0])
-    island = make_island(fake, tmp_path, handle_signals=True)
-    fake.on_lease = lambda lease_id: os.kill(os.getpid(), signal.SIGINT)
+def test_stop_request_while_training_releases_the_lease_before_the_next_step(
+    coordinator: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    coordinator.create_run(layout=ONE_PATH)
+    island, transport = coordinator.island()
+    transport.inject("tokens", Before(lambda: island.request_stop(signal.SIGTERM)))
+    with caplog.at_level(logging.INFO, logger="island"):
+        assert island.run() == 128 + signal.SIGTERM
+    assert [e.endpoint for e in transport.fired] == ["tokens"]
+    assert [e.reply for e in transport.to("release")] == [{"lease_id": 1, "status": "released"}]
+    assert [e.status for e in transport.to("leave")] == [204] and transport.to("upload") == []
+    [result] = island.results
+    assert (result.status, result.losses) == ("stopped", [])
+    assert "released lease 1 (run 1, round 0, path 0) after 0 of 2 steps" in [r.getMessage() for r in caplog.records]
+
+
+def test_sigint_is_handled_and_handlers_restored(coordinator: Coordinator) -> None:
+    coordinator.create_run(layout=ONE_PATH)
+    island, transport = coordinator.island(handle_signals=True)
+    transport.inject("lease", Before(lambda: os.kill(os.getpid(), signal.SIGINT)))
     before = signal.getsignal(signal.SIGINT)
     assert island.run() == 130
     assert signal.getsignal(signal.SIGINT) is before
-    assert fake.released == [1] and fake.left
+    assert [e.endpoint for e in transport.fired] == ["lease"]
+    assert [e.reply for e in transport.to("release")] == [{"lease_id": 1, "status": "released"}]
+    assert [e.status for e in transport.to("leave")] == [204]
 
 
-def test_gives_up_on_an_unreachable_coordinator_with_exit_3(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0])
-    fake.fail("join", *[503] * 1000)
-    island = make_island(fake, tmp_path)
-    island.client.retry.give_up_after_s = 0.05
-    assert island.run() == EXIT_UNAVAILABLE
-    assert not fake.left  # never joined, so nothing to leave
-
-
-def test_rejected_request_exits_1(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0])
-    fake.fail("join", Fault(401, detail="invalid join token"))
-    assert make_island(fake, tmp_path).run() == EXIT_ERROR
-
-
-def test_weights_failing_their_hash_twice_exit_4_and_release(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0])
-    fake.corrupt_weights = 2
-    assert make_island(fake, tmp_path).run() == EXIT_INTEGRITY
-    assert fake.released == [1] and fake.left
-
-
-def test_one_corrupt_download_is_fetched_again(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0])
-    fake.corrupt_weights = 1
-    assert make_island(fake, tmp_path).run() == EXIT_OK
-    assert len(fake.uploads) == 1
-
-
-def test_waits_while_idle_then_works_and_honours_max_rounds(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[0, 1, 2])
-    fake.idle_first = [("waiting", "0.01"), ("no-running-runs", "0.01")]  # nothing trained yet: keep polling
-    island = make_island(fake, tmp_path, max_rounds=2)
+def test_waits_while_no_run_is_running_then_works_and_honours_max_rounds(coordinator: Coordinator) -> None:
+    island, transport = coordinator.island(max_rounds=2)
+    runs: list[dict[str, Any]] = []
+    # Nothing trained yet, so "no-running-runs" means: wait (Retry-After) and ask again; the run appears meanwhile.
+    transport.inject("lease", Before(lambda: runs.append(coordinator.create_run())), attempts=[2])
     assert island.run() == EXIT_OK
-    assert [u.lease_id for u in fake.uploads] == [1, 2] and fake.plan == [2]
+    assert [(e.status, e.headers.get("x-dipaco-idle")) for e in transport.to("lease")] == [
+        (204, "no-running-runs"),
+        (200, None),
+        (200, None),
+    ]
+    assert [r.status for r in island.results] == ["uploaded", "uploaded"]
+    [run] = runs
+    assert len(coordinator.get("/v1/contributions", run_id=run["id"])["data"]) == 2
+    assert coordinator.get(f"/v1/runs/{run['id']}")["status"] == "running"  # the island left a run with work
 
 
-def test_exit_when_idle_with_nothing_to_do(tmp_path: Path) -> None:
-    fake = FakeCoordinator(plan=[])
-    island = make_island(fake, tmp_path, exit_when_idle=True)
+def test_exit_when_idle_with_nothing_to_do(coordinator: Coordinator) -> None:
+    island, transport = coordinator.island(exit_when_idle=True)
     assert island.run() == EXIT_OK
-    assert island.results == [] and fake.left
+    assert island.results == []
+    assert [e.headers.get("x-dipaco-idle") for e in transport.to("lease")] == ["no-running-runs"]
+    assert [e.status for e in transport.to("leave")] == [204]
+
+
+# -- exit codes ----------------------------------------------------------------------------------------------------
+
+
+def test_rejected_join_exits_1_with_a_log_line_not_a_traceback(
+    coordinator: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    island, transport = coordinator.island(token="not-the-join-token-000")
+    with caplog.at_level(logging.INFO, logger="island"):
+        assert island.run() == EXIT_ERROR
+    [join] = transport.to("join")
+    assert join.status == 401
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [f"join as 'island-0' rejected with HTTP 401: {join.reply['detail']}"]
+    assert no_tracebacks(caplog)
+
+
+def test_island_revoked_while_training_stops_with_exit_1_and_a_log_line(
+    make_coordinator: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(STALL_ENV, "0:1:1")  # hold the lease before step 1 for 1 s; heartbeats go on
+    coordinator: Coordinator = make_coordinator(heartbeat_interval_s=0.05)
+    run = coordinator.create_run(layout=ONE_PATH)
+    island, transport = coordinator.island()
+
+    stalling = LogSeen("fault injection: stalling")
+    logging.getLogger("island.faults").addHandler(stalling)
+
+    def revoke_once_training() -> None:
+        """Hold the first heartbeat until the island stalls inside its inner steps, then revoke the island."""
+        assert stalling.seen.wait(30)
+        r = coordinator.app.delete(f"/v1/islands/{island.client.island_id}", headers=A)
+        assert r.status_code == 204, r.text
+
+    transport.inject("heartbeat", Before(revoke_once_training))
+    try:
+        with caplog.at_level(logging.INFO, logger="island"):
+            assert island.run() == EXIT_ERROR
+    finally:
+        logging.getLogger("island.faults").removeHandler(stalling)
+
+    [fired] = transport.fired
+    assert (fired.endpoint, fired.status) == ("heartbeat", 401)
+    assert fired.reply == {"detail": f"island {island.client.island_id}'s token was revoked"}
+    rejected = f"heartbeat of island {island.client.island_id} rejected with HTTP 401: {fired.reply['detail']}"
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [f"heartbeat rejected: {rejected}", rejected]  # the heartbeat thread, then run()
+    assert no_tracebacks(caplog)
+    assert [r.status for r in island.results] == [] and transport.to("upload") == []
+    # On the way out the release and the leave are refused too (revoked token), quietly.
+    assert [e.status for e in transport.to("release")] == [401] and [e.status for e in transport.to("leave")] == [401]
+    assert coordinator.get("/v1/contributions", run_id=run["id"])["count"] == 0
+
+
+def test_gives_up_on_an_unreachable_coordinator_with_exit_3(
+    coordinator: Coordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    island, transport = coordinator.island(give_up_after_s=0.05)
+    transport.inject("join", Drop(), attempts=None)
+    with caplog.at_level(logging.INFO, logger="island"):
+        assert island.run() == EXIT_UNAVAILABLE
+    joins = transport.to("join")
+    assert len(joins) >= 2 and all(e.fault == Drop() and e.status is None for e in joins)
+    assert transport.to("leave") == []  # never joined, so nothing to leave
+    assert coordinator.get("/v1/islands")["count"] == 0
+    assert any("unavailable: join as 'island-0'" in r.getMessage() for r in caplog.records)
+    assert no_tracebacks(caplog)
+
+
+def test_weights_failing_their_hash_twice_exit_4_and_release(coordinator: Coordinator) -> None:
+    coordinator.create_run(layout=ONE_PATH)
+    island, transport = coordinator.island()
+    transport.inject("weights", Corrupt(), attempts=[1, 2])
+    assert island.run() == EXIT_INTEGRITY
+    assert [(e.endpoint, e.attempt) for e in transport.fired] == [("weights", 1), ("weights", 2)]
+    assert transport.to("upload") == []
+    assert [e.reply for e in transport.to("release")] == [{"lease_id": 1, "status": "released"}]
+    assert [e.status for e in transport.to("leave")] == [204]
+
+
+def test_one_corrupt_download_is_fetched_again(coordinator: Coordinator) -> None:
+    run = coordinator.create_run(layout=ONE_PATH)
+    island, transport = coordinator.island(max_rounds=1)
+    transport.inject("weights", Corrupt())
+    assert island.run() == EXIT_OK
+    [fired] = transport.fired
+    weights = transport.to("weights")
+    assert fired == weights[0] and weights[1].path == weights[0].path  # the same module, fetched again
+    [lease] = accepted(island, transport)
+    assert_same(stored_upload(coordinator, transport, lease.lease_id), replay(coordinator, [lease], capacity=1)[1])
+    assert coordinator.get("/v1/contributions", run_id=run["id"])["count"] == 1
+
+
+def test_upload_retries_through_a_503_burst(coordinator: Coordinator) -> None:
+    run = coordinator.create_run(layout=ONE_PATH, num_rounds=1)
+    island, transport = coordinator.island()
+    transport.inject("upload", Reply(503, {"Retry-After": "0"}, "overloaded"), attempts=[1, 2])
+    assert island.run() == EXIT_OK
+    assert [e.status for e in transport.to("upload")] == [503, 503, 200]
+    assert len(transport.fired) == 2 and island.client.retries >= 2
+    [lease] = accepted(island, transport)
+    grads = replay(coordinator, [lease], capacity=1)
+    assert_same(stored_upload(coordinator, transport, lease.lease_id), grads[lease.lease_id])
+    assert coordinator.get("/v1/contributions", run_id=run["id"])["count"] == 1
+    assert_rounds_apply(coordinator, run, [lease], grads)
+
+
+def test_a_lost_upload_reply_is_retried_and_applied_once(coordinator: Coordinator) -> None:
+    run = coordinator.create_run(layout=ONE_PATH, num_rounds=1)
+    island, transport = coordinator.island()
+    transport.inject("upload", LoseReply(500))  # the coordinator accepts (and applies the round), the reply is lost
+    assert island.run() == EXIT_OK
+    assert [e.status for e in transport.to("upload")] == [500, 200]
+    assert [e.fault for e in transport.fired] == [LoseReply(500)]
+    assert [r.status for r in island.results] == ["uploaded"]
+    # The retry was answered with the contribution already accepted; the round was applied once.
+    [contribution] = coordinator.get("/v1/contributions", run_id=run["id"])["data"]
+    assert transport.to("upload")[1].reply["id"] == contribution["id"]
+    rounds = coordinator.get(f"/v1/runs/{run['id']}/rounds")["data"]
+    assert [(r["number"], r["status"], r["contributions"]) for r in rounds] == [(0, "applied", 1)]
+    [lease] = accepted(island, transport)
+    grads = replay(coordinator, [lease], capacity=1)
+    assert_rounds_apply(coordinator, run, [lease], grads)
+    assert {m["version"] for m in coordinator.get("/v1/modules", run_id=run["id"])["data"]} == {1}
 
 
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError, match="device"):
-        IslandConfig(coordinator=BASE_URL, token="t", device="tpu")
+        IslandConfig(coordinator="http://testserver", token="t", device="tpu")
     with pytest.raises(ValueError, match="http"):
         IslandConfig(coordinator="coordinator:8000", token="t")
     with pytest.raises(ValueError, match="max_rounds"):
-        IslandConfig(coordinator=BASE_URL, token="t", max_rounds=0)
+        IslandConfig(coordinator="http://testserver", token="t", max_rounds=0)
+    with pytest.raises(ValueError, match="optimizer_cache"):
+        IslandConfig(coordinator="http://testserver", token="t", optimizer_cache=0)
