@@ -323,12 +323,13 @@ import json, resource, sys
 from datetime import UTC, datetime
 from coordinator.blobstore import LocalBlobStore
 from coordinator.db import make_engine, make_sessionmaker
-from coordinator.services.rounds import maybe_apply_round
+from coordinator.services.rounds import apply_round
 url, blob_dir, run_id = sys.argv[1], sys.argv[2], int(sys.argv[3])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 engine = make_engine(url)
 with make_sessionmaker(engine)() as s:
-    ok = maybe_apply_round(s, LocalBlobStore(__import__("pathlib").Path(blob_dir)), run_id, now=datetime.now(UTC))
+    applied = apply_round(s, LocalBlobStore(__import__("pathlib").Path(blob_dir)), run_id, now=datetime.now(UTC))
+    ok = applied is not None
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"applied": ok, "rss_before_mb": before / 1024, "peak_rss_mb": peak / 1024}))
 """
