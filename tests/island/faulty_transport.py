@@ -92,6 +92,8 @@ class Exchange:
     """The fault that fired on this request, if any."""
     body: bytes
     """The request body (uploads: the safetensors payload as the island sent it)."""
+    request_headers: dict[str, str]
+    """The request's headers as the island sent them (lower-case names)."""
     reply: Any
     """The reply's JSON, or None (binary reply, no body, refused connection)."""
     headers: dict[str, str]
@@ -199,6 +201,7 @@ class FaultyTransport(httpx.BaseTransport):
             status=None if response is None else response.status_code,
             fault=fault,
             body=body,
+            request_headers={k.lower(): v for k, v in request.headers.items()},
             reply=reply,
             headers={} if response is None else dict(response.headers),
         )
