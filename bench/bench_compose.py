@@ -112,7 +112,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cfg = flavour(args.flavour)
+    # the plain model is a GPT-2 block: compare against the same block whatever the flavour's default is
+    cfg = ModelConfig.from_dict({**flavour(args.flavour).to_dict(), "block": "gpt2"})
     half = cfg.n_layers // 2
     layout = parse_layout(
         f"embed:shared, b0-{half - 1}:routed2, b{half}-{cfg.n_layers - 1}:routed2, head:shared",

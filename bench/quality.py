@@ -9,6 +9,8 @@ fails). See docs/QUALITY.md.
     python bench/quality.py                                  # dense-S, 2x2, flat 4, dense-2w
     python bench/quality.py --with-4x4 --reroute-every 32    # + DiPaCo 4x4, re-routing every 32 tokens
     python bench/quality.py --routing product                # product k-means shards for the 2x2 / 4x4
+    python bench/quality.py --block gpt2                     # every model with the GPT-2 block (bench/blocks.py
+                                                             # compares the two blocks)
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def main(
         "/tmp/dipaco-bench-quality"
     ),
     flavour: Annotated[str, typer.Option(help="Path size S: model flavour (debug, small).")] = "debug",
+    block: Annotated[
+        str | None, typer.Option(help="Transformer block of every model: gpt2 or llama (default: the flavour's)")
+    ] = None,
     rounds: Annotated[int, typer.Option(min=1)] = 8,
     inner_steps: Annotated[int, typer.Option(min=1, help="H")] = 50,
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
@@ -79,11 +84,12 @@ def main(
         reroute_every=reroute_every,
     )
     contenders = standard_contenders(
-        flavour, width_factor=width_factor, with_4x4=with_4x4, with_token_reference=with_token_reference
+        flavour, block=block, width_factor=width_factor, with_4x4=with_4x4, with_token_reference=with_token_reference
     )
     if only:
         wanted = {n.strip() for n in only.split(",")}
         contenders = [c for c in contenders if c.name in wanted]
+    block_name = contenders[0].config().block if contenders else block
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     corpus = workdir / "corpus"
@@ -107,7 +113,7 @@ def main(
     console.print(
         qr.comparison_table(
             results,
-            title=f"held-out routed perplexity, {flavour}, {rounds} rounds x "
+            title=f"held-out routed perplexity, {flavour} ({block_name} blocks), {rounds} rounds x "
             f"H={inner_steps} x batch {batch_size} = {results[0].tokens_per_path:,} "
             "tokens per path",
         )
@@ -123,6 +129,7 @@ def main(
             {
                 "settings": {k: getattr(settings, k) for k in settings.__slots__},
                 "flavour": flavour,
+                "block": block_name,
                 "results": [r.to_dict() for r in results],
                 "targets": [{"name": t.name, "value": t.value, "goal": t.goal, "met": t.met} for t in goals],
                 "cross_check": [

@@ -1,5 +1,6 @@
 """Prefix features from a trained path model (DiPaCo §2.4: the paper routes on the model's own representation):
-the mean of the final-norm hidden state over the first `prefix_tokens` byte tokens, L2-normalised.
+the mean of the final-norm hidden state (`PathModel.hidden`, gpt2 or llama blocks) over the first `prefix_tokens`
+byte tokens, L2-normalised.
 
 A `ModelFeaturizer` is saved with the router it feeds (safetensors weights + JSON config, never pickle), so
 routing at shard time and at evaluation time uses the same model. Any path can serve, e.g. one written by
@@ -58,10 +59,7 @@ class ModelFeaturizer:
             # right padding: causal attention keeps every real position blind to the padding after it
             batch = torch.tensor([i + [tok.EOS] * (length - len(i)) for i in ids])
             mask = torch.tensor([[1.0] * len(i) + [0.0] * (length - len(i)) for i in ids])
-            x = m.tok_emb(batch) + m.pos_emb(torch.arange(length))
-            for block in m.blocks:
-                x = block(x)
-            h = m.ln_f(x)  # (B, T, d)
+            h = m.hidden(batch)  # (B, T, d): the final norm's output, for either block style
             mean = (h * mask[:, :, None]).sum(1) / mask.sum(1, keepdim=True)
             out[start : start + len(ids)] = torch.nn.functional.normalize(mean, dim=1).numpy()
         return out

@@ -121,3 +121,13 @@ def test_heldout_halves_are_stable() -> None:
     assert (
         Contender(name="x", model={"flavour": "debug"}, layout="embed:shared, b0-1:shared, head:shared").num_paths == 1
     )
+
+
+def test_contenders_take_the_block() -> None:
+    for block in ("gpt2", "llama"):
+        c = {c.name: c for c in standard_contenders("debug", block=block)}
+        assert {x.config().block for x in c.values()} == {block}
+        assert c["dense-S"].model == {"flavour": "debug", "block": block}
+    gpt2, llama = (standard_contenders("debug", block=b)[0].path_params() for b in ("gpt2", "llama"))
+    assert (gpt2, llama) == (137_088, 137_024)  # equal parameters per path (ModelConfig.mlp_hidden)
+    assert "block" not in standard_contenders("debug")[0].model  # unset: the flavour's block

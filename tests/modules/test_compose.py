@@ -20,7 +20,8 @@ from modules import (
     split_state,
 )
 
-CFG = flavour("debug")
+CFG = ModelConfig.from_dict({**flavour("debug").to_dict(), "block": "gpt2"})
+LLAMA = ModelConfig.from_dict({**CFG.to_dict(), "block": "llama"})
 LAYOUT = parse_layout("embed:shared, b0-0:routed2, b1-1:routed2, head:shared", n_layers=CFG.n_layers)
 
 
@@ -50,20 +51,21 @@ def test_level_param_shapes_match_split() -> None:
         assert level_param_shapes(CFG, LAYOUT, i) == {n: tuple(t.shape) for n, t in part.items()}
 
 
-def test_every_module_of_a_level_starts_identical() -> None:
-    a = init_level_modules(CFG, LAYOUT, seed=7)
-    b = init_level_modules(CFG, LAYOUT, seed=7)
+@pytest.mark.parametrize("cfg", [CFG, LLAMA], ids=["gpt2", "llama"])
+def test_every_module_of_a_level_starts_identical(cfg: ModelConfig) -> None:
+    a = init_level_modules(cfg, LAYOUT, seed=7)
+    b = init_level_modules(cfg, LAYOUT, seed=7)
     for lv in range(len(LAYOUT.levels)):
         assert a[lv].keys() == b[lv].keys()
         for name in a[lv]:
             assert torch.equal(a[lv][name], b[lv][name])
     # paths built from module 0 and module 1 of the routed levels are therefore identical at the start
-    p0 = build_path(CFG, [a[0], a[1], a[2], a[3]])
-    p3 = build_path(CFG, [b[0], b[1], b[2], b[3]])
-    x = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    p0 = build_path(cfg, [a[0], a[1], a[2], a[3]])
+    p3 = build_path(cfg, [b[0], b[1], b[2], b[3]])
+    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(p0(x), p3(x))
     # a different seed gives different weights
-    c = init_level_modules(CFG, LAYOUT, seed=8)
+    c = init_level_modules(cfg, LAYOUT, seed=8)
     assert not torch.equal(a[1]["blocks.0.attn.qkv.weight"], c[1]["blocks.0.attn.qkv.weight"])
 
 
@@ -101,25 +103,28 @@ def test_build_path_copies_and_does_not_alias_module_tensors() -> None:
     assert torch.equal(modules[1]["blocks.0.mlp.fc.weight"], before)
 
 
-def test_forward_shapes_and_seq_len_check() -> None:
-    model = PathModel(CFG)
-    x = torch.zeros(2, CFG.seq_len, dtype=torch.long)
-    assert model(x).shape == (2, CFG.seq_len, CFG.vocab_size)
+@pytest.mark.parametrize("cfg", [CFG, LLAMA], ids=["gpt2", "llama"])
+def test_forward_shapes_and_seq_len_check(cfg: ModelConfig) -> None:
+    model = PathModel(cfg)
+    x = torch.zeros(2, cfg.seq_len, dtype=torch.long)
+    assert model(x).shape == (2, cfg.seq_len, cfg.vocab_size)
+    assert model.hidden(x).shape == (2, cfg.seq_len, cfg.d_model)
     with pytest.raises(ValueError, match="longer than the model's seq_len=64"):
-        model(torch.zeros(1, CFG.seq_len + 1, dtype=torch.long))
+        model(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
 
 
 def test_flavours() -> None:
     assert set(FLAVOURS) >= {"debug", "small", "paper-150m"}
     debug = flavour("debug")
     assert debug.n_layers == 2 and 32 <= debug.d_model <= 64
+    assert all(f.block == ModelConfig().block for f in FLAVOURS.values())  # every flavour has the default block
     assert flavour("debug") is not FLAVOURS["debug"]  # a copy
     with pytest.raises(ValueError, match="unknown model flavour 'huge'"):
         flavour("huge")
 
 
 def test_paper_150m_shape_and_param_count() -> None:
-    cfg = flavour("paper-150m")
+    cfg = ModelConfig.from_dict({**flavour("paper-150m").to_dict(), "block": "gpt2"})
     assert (cfg.n_layers, cfg.d_model, cfg.n_heads) == (12, 896, 16)
     # Count from shapes (no allocation): the byte vocabulary gives ~118M; the paper's 32k vocabulary ~176M
     # with untied embedding and head (our embed and head are separate levels), i.e. ~150M with tied ones.
@@ -149,3 +154,17 @@ def test_model_config_validation() -> None:
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['width'\]"):
         ModelConfig.from_dict({"width": 3})
     assert ModelConfig.from_dict(CFG.to_dict()) == CFG
+    assert ModelConfig.from_dict(LLAMA.to_dict()) == LLAMA
+    with pytest.raises(ValueError, match="block must be one of \\['gpt2', 'llama'\\], got 'bert'"):
+        ModelConfig(block="bert")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rotary positions need an even head width, got d_model/n_heads = 5"):
+        ModelConfig(d_model=20, n_heads=4, block="llama")
+    ModelConfig(d_model=20, n_heads=4, block="gpt2")  # learned positions take any head width
+    with pytest.raises(ValueError, match="tie_embeddings must be true or false, got 1"):
+        ModelConfig(tie_embeddings=1)  # type: ignore[arg-type]
+
+
+def test_a_stored_config_without_block_is_gpt2() -> None:
+    # registry runs, exports and featurizers written before `block` existed hold gpt2 weights
+    legacy = {k: v for k, v in LLAMA.to_dict().items() if k not in ("block", "tie_embeddings")}
+    assert ModelConfig.from_dict(legacy) == CFG

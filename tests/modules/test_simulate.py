@@ -25,9 +25,10 @@ from modules import (
 )
 from modules.simulate import next_range
 
-GOLDEN = Path(__file__).parent / "golden" / "diloco_2x2.json"
+GOLDEN_DIR = Path(__file__).parent / "golden"
 # debug width and depth; a short context keeps the whole file well under a few seconds on 2 cores
-CFG = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4)
+CFG = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4, block="gpt2")
+LLAMA = ModelConfig.from_dict({**CFG.to_dict(), "block": "llama"})
 INNER = InnerConfig(lr=3e-3, warmup_steps=2, total_steps=12, batch_size=2)
 H = 2
 
@@ -150,35 +151,39 @@ def test_shared_module_averages_its_paths() -> None:
         torch.testing.assert_close(t, want, rtol=0, atol=1e-6)
 
 
-GOLDEN_CFG = flavour("debug")
 GOLDEN_INNER = InnerConfig(lr=3e-3, warmup_steps=2, total_steps=12, batch_size=2)
+# one golden file per block style; the gpt2 one predates the block switch and must stay byte-identical
+GOLDEN = {"gpt2": GOLDEN_DIR / "diloco_2x2.json", "llama": GOLDEN_DIR / "diloco_2x2_llama.json"}
+GOLDEN_FLAVOUR = {"gpt2": "flavour debug", "llama": "flavour debug with block llama"}
 
 
-def run_golden() -> list[list[float]]:
-    """debug flavour, 2x2, 3 rounds of H=2 steps, batch 2, seed 0, default OuterConfig, shards shard(p, 800)."""
-    layout = parse_layout("embed:shared, b0-0:routed2, b1-1:routed2, head:shared", n_layers=GOLDEN_CFG.n_layers)
+def run_golden(block: str) -> list[list[float]]:
+    """debug flavour with `block`, 2x2, 3 rounds of H=2 steps, batch 2, seed 0, default OuterConfig, shards
+    shard(p, 800)."""
+    cfg = ModelConfig.from_dict({**flavour("debug").to_dict(), "block": block})
+    layout = parse_layout("embed:shared, b0-0:routed2, b1-1:routed2, head:shared", n_layers=cfg.n_layers)
     tokens = [shard(p, 800) for p in range(layout.num_paths)]
-    result = simulate(
-        GOLDEN_CFG, layout, GOLDEN_INNER, OuterConfig(), steps_per_round=H, rounds=3, seed=0, tokens=tokens
-    )
+    result = simulate(cfg, layout, GOLDEN_INNER, OuterConfig(), steps_per_round=H, rounds=3, seed=0, tokens=tokens)
     return result.losses
 
 
-def test_golden_trajectory_2x2() -> None:
-    losses = run_golden()
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+def test_golden_trajectory_2x2(block: str) -> None:
+    losses = run_golden(block)
+    golden = GOLDEN[block]
     if os.environ.get("DIPACO_REGEN_GOLDEN") == "1":
-        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        golden.parent.mkdir(parents=True, exist_ok=True)
         payload = {
-            "description": "modules.simulate: flavour debug, 3 rounds, H=2, InnerConfig(lr=3e-3, warmup_steps=2, "
-            "total_steps=12, batch_size=2), default OuterConfig, seed 0, shards shard(p, 800); "
+            "description": f"modules.simulate: {GOLDEN_FLAVOUR[block]}, 3 rounds, H=2, InnerConfig(lr=3e-3, "
+            "warmup_steps=2, total_steps=12, batch_size=2), default OuterConfig, seed 0, shards shard(p, 800); "
             "see tests/modules/test_simulate.py::run_golden",
             "layout": "embed:shared, b0-0:routed2, b1-1:routed2, head:shared",
             "losses": losses,
         }
-        GOLDEN.write_text(json.dumps(payload, indent=2) + "\n")
-        pytest.skip(f"DIPACO_REGEN_GOLDEN=1: rewrote {GOLDEN.name}; rerun without the flag to check it")
-    assert GOLDEN.exists(), f"{GOLDEN} is missing; create it with DIPACO_REGEN_GOLDEN=1"
-    want = json.loads(GOLDEN.read_text())["losses"]
+        golden.write_text(json.dumps(payload, indent=2) + "\n")
+        pytest.skip(f"DIPACO_REGEN_GOLDEN=1: rewrote {golden.name}; rerun without the flag to check it")
+    assert golden.exists(), f"{golden} is missing; create it with DIPACO_REGEN_GOLDEN=1"
+    want = json.loads(golden.read_text())["losses"]
     assert len(losses) == len(want) == 3
     for got_round, want_round in zip(losses, want, strict=True):
         assert got_round == pytest.approx(want_round, abs=1e-4)

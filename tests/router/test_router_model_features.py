@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -16,18 +17,21 @@ from router.model_features import FeaturizerError, ModelFeaturizer, load_exporte
 from router.router import Router, fit_router
 from router.shards import ShardOptions, load_manifest, shard_corpus
 
-CFG = ModelConfig(vocab_size=257, seq_len=64, d_model=32, n_layers=2, n_heads=2)
+CFG = ModelConfig(vocab_size=257, seq_len=64, d_model=32, n_layers=2, n_heads=2, block="gpt2")
+LLAMA = ModelConfig.from_dict({**CFG.to_dict(), "block": "llama"})
+BLOCKS = pytest.mark.parametrize("cfg", [CFG, LLAMA], ids=["gpt2", "llama"])
 TEXTS = [f"def function_{i}(x):\n    return x + {i}\n" for i in range(12)] + [
     f"Copyright (C) {2000 + i} The Authors. Permission is hereby granted" for i in range(12)
 ]
 
 
-def featurizer() -> ModelFeaturizer:
-    return ModelFeaturizer.from_state(CFG, init_state(CFG, seed=0))
+def featurizer(cfg: ModelConfig = CFG) -> ModelFeaturizer:
+    return ModelFeaturizer.from_state(cfg, init_state(cfg, seed=0))
 
 
-def test_embed_reads_only_the_prefix_and_ignores_padding() -> None:
-    f = featurizer()
+@BLOCKS
+def test_embed_reads_only_the_prefix_and_ignores_padding(cfg: ModelConfig) -> None:
+    f = featurizer(cfg)
     x = f.embed(TEXTS, prefix_tokens=16)
     assert x.shape == (24, 32) and np.allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-5)
     same_prefix = f.embed([t + " and a different ending" for t in TEXTS], prefix_tokens=16)
@@ -38,6 +42,22 @@ def test_embed_reads_only_the_prefix_and_ignores_padding() -> None:
     np.testing.assert_allclose(alone, batched, atol=1e-5)
     with pytest.raises(FeaturizerError, match="longer than the model's 64"):
         f.embed(TEXTS, prefix_tokens=65)
+
+
+@BLOCKS
+def test_features_are_the_mean_final_norm_state(cfg: ModelConfig) -> None:
+    f = featurizer(cfg)
+    ids = torch.tensor([list(TEXTS[0].encode())[:16]])
+    want = torch.nn.functional.normalize(f.model.hidden(ids).mean(1), dim=1)
+    np.testing.assert_allclose(f.embed(TEXTS[:1], prefix_tokens=16), want.detach().numpy(), atol=1e-6)
+
+
+def test_a_config_without_block_is_a_gpt2_featurizer(tmp_path: Path) -> None:
+    # featurizers saved before `block` existed are gpt2 paths, whatever the default block is now
+    legacy = {k: v for k, v in CFG.to_dict().items() if k not in ("block", "tie_embeddings")}
+    save_file(init_state(CFG, seed=0), str(tmp_path / "featurizer.safetensors"))
+    (tmp_path / "featurizer.json").write_text(json.dumps(legacy))
+    assert ModelFeaturizer.load(tmp_path).cfg.block == "gpt2"
 
 
 def test_router_with_model_features_saves_and_loads(tmp_path: Path) -> None:
@@ -51,16 +71,18 @@ def test_router_with_model_features_saves_and_loads(tmp_path: Path) -> None:
     np.testing.assert_array_equal(loaded.route(TEXTS), routes)
 
 
-def _export(directory: Path) -> Path:
+def _export(directory: Path, cfg: ModelConfig = CFG) -> Path:
     """The layout `dipaco export` writes: model.safetensors + config.json."""
     directory.mkdir()
-    save_file(init_state(CFG, seed=0), str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(CFG.to_dict()))
+    save_file(init_state(cfg, seed=0), str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(cfg.to_dict()))
     return directory
 
 
-def test_shards_routed_by_an_exported_path(corpus_dir: Path, tmp_path: Path) -> None:
-    exported = _export(tmp_path / "exported")
+@BLOCKS
+def test_shards_routed_by_an_exported_path(corpus_dir: Path, tmp_path: Path, cfg: ModelConfig) -> None:
+    exported = _export(tmp_path / "exported", cfg)
+    assert load_exported(exported).cfg == cfg
     manifest = shard_corpus(corpus_dir, tmp_path / "s", ShardOptions(num_paths=3), featurizer=load_exported(exported))
     assert load_manifest(tmp_path / "s")["num_paths"] == 3 == len(manifest["shards"])
     assert all(s["num_documents"] > 0 for s in manifest["shards"])
