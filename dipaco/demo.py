@@ -52,6 +52,7 @@ def demo(
     inner_steps: Annotated[int, typer.Option(min=1, help="H: inner AdamW steps per round")] = 30,
     islands: Annotated[int, typer.Option(min=1, help="Island subprocesses (one per path keeps AdamW state)")] = 4,
     flavour: Annotated[str, typer.Option(help="Model flavour: debug, small")] = "debug",
+    block: Annotated[str | None, typer.Option(help="Transformer block: gpt2 or llama (default: the flavour's)")] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
     docs_per_domain: Annotated[int, typer.Option(min=10, help="Corpus size")] = 300,
     compare: Annotated[
@@ -65,6 +66,9 @@ def demo(
         bool, typer.Option(help="With --compare: re-train dense-S in-process (modules.simulate) and compare")
     ] = True,
     eval_docs: Annotated[int, typer.Option(min=2, help="Held-out documents scored per round (stable subsample)")] = 48,
+    keep_serving: Annotated[
+        bool, typer.Option(help="At the end, leave the coordinator (and its dashboard) up until Ctrl-C")
+    ] = False,
 ) -> None:
     """Run everything on this machine: coordinator, corpus, router, a 2x2 run and island subprocesses; then
     compare held-out perplexity against dense baselines and a flat 4-expert layout."""
@@ -82,7 +86,7 @@ def demo(
     )
     # SIGTERM ends the demo like Ctrl-C: the `finally` below stops the coordinator and the islands.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    contenders = standard_contenders(flavour)
+    contenders = standard_contenders(flavour, block=block)
     grid = next(c for c in contenders if c.name == "DiPaCo 2x2")
 
     console.print(f"[bold]1/{steps}[/] building the local corpus (Python, C headers, man pages, licences, changelogs)")
@@ -105,6 +109,9 @@ def demo(
     ok = False
     try:
         service.start()
+        console.print(
+            f"    dashboard: {service.dashboard_url} (it asks for a token: the admin_token in {service.token_file})"
+        )
         client = service.client
         run = service.create_run(run_spec(grid, settings, name="demo-2x2"))
         console.print(
@@ -140,20 +147,27 @@ def demo(
                 cross_check=cross_check,
             )
         ok = True
+        if keep_serving:
+            console.print(
+                f"[bold]the coordinator stays up:[/] dashboard {service.dashboard_url} (admin_token in "
+                f"{service.token_file}), registry {service.url}; Ctrl-C stops it"
+            )
+            service.serve_until_interrupted()
     finally:
         service.stop()
         if not ok:
             for name, text in service.log_tails().items():
                 console.print(f"[red]--- last lines of {name}'s log ({logs / (name + '.log')}) ---[/]")
                 console.print(text, markup=False)
-    admin, join = service.admin_token, service.join_token
     console.print(f"database: {coord_dir / 'dipaco.db'}")
     console.print(f"blobs:    {coord_dir / 'blobs'}")
+    console.print(f"tokens:   {service.token_file}")
     console.print(f"logs:     {logs}")
     console.print(
-        f"Inspect the registry again with:\n  DIPACO_ADMIN_TOKEN={admin} DIPACO_JOIN_TOKEN={join} "
-        f"dipaco coordinator serve --data-dir {coord_dir} --port {service.port}\n"
-        f"  DIPACO_TOKEN={admin} dipaco registry modules --coordinator {service.url}"
+        f"Inspect the registry again with (the coordinator reads its tokens from {service.token_file.name}):\n"
+        f"  dipaco coordinator serve --data-dir {coord_dir} --port {service.port}\n"
+        f"  then open {service.dashboard_url} (admin_token from {service.token_file}), or\n"
+        f"  DIPACO_TOKEN=<admin_token> dipaco registry modules --coordinator {service.url}"
     )
     (workdir / "summary.json").write_text(json.dumps({"run_id": run.id, "losses": losses}, indent=2))
     console.print(f"finished in {time.monotonic() - started:.0f} s")

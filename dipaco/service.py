@@ -9,6 +9,7 @@ admin `client` is the one typed client (`coordinator.client.CoordinatorClient`).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -81,6 +82,25 @@ class LocalService:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def dashboard_url(self) -> str:
+        """The web dashboard (it asks for a token: the admin token in `token_file`)."""
+        return f"{self.url}/ui/"
+
+    @property
+    def token_file(self) -> Path:
+        """`tokens.json` in the data directory (0600), as the coordinator writes it when it generates tokens: a
+        coordinator started again on this directory without DIPACO_* tokens reads the same ones."""
+        return self.data_dir / "tokens.json"
+
+    def _write_token_file(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.token_file.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump({"admin_token": self.admin_token, "join_token": self.join_token}, out, indent=2)
+        os.replace(tmp, self.token_file)
+
     def env(self) -> dict[str, str]:
         return {
             **os.environ,
@@ -100,6 +120,7 @@ class LocalService:
 
     def start(self) -> LocalService:
         """Start the coordinator and wait until it answers /healthz."""
+        self._write_token_file()
         coord = self._spawn(
             "coordinator",
             [
@@ -216,6 +237,16 @@ class LocalService:
             self._client = None
         for name, proc in reversed(self.procs):
             stop_process(proc, name)
+
+    def serve_until_interrupted(self, *, poll_s: float = 1.0) -> None:
+        """Keep the coordinator up until Ctrl-C (or SIGTERM, as the caller handles it); raise if it exits."""
+        coord = next(p for n, p in self.procs if n == "coordinator")
+        try:
+            while coord.poll() is None:
+                time.sleep(poll_s)
+        except KeyboardInterrupt:
+            return
+        raise ServiceError(f"coordinator exited with {coord.returncode}; see {self.logs / 'coordinator.log'}")
 
     def log_tails(self) -> dict[str, str]:
         return {name: tail(self.logs / f"{name}.log") for name, _ in self.procs}
