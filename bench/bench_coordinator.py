@@ -2,6 +2,7 @@
 
   python bench/bench_coordinator.py upload    [--mb 100]       upload+accept vs a raw loopback socket transfer
   python bench/bench_coordinator.py aggregate [--mb 100]       peak RSS of a round apply for K = 4, 16, 64
+  python bench/bench_coordinator.py apply     [--k 16]         a 256-path x 4-module round: 1 vs 2 apply-workers
   python bench/bench_coordinator.py islands   [--islands 256]  simulated islands on PostgreSQL: p50/p99 latency
   python bench/bench_coordinator.py cost      [--islands 200]  coordinator CPU per request kind vs /healthz
 
@@ -323,13 +324,17 @@ import json, resource, sys
 from datetime import UTC, datetime
 from coordinator.blobstore import LocalBlobStore
 from coordinator.db import make_engine, make_sessionmaker
-from coordinator.services.rounds import apply_round
+from coordinator.services.apply import ApplyExecutor
+from coordinator.services.rounds import close_round
 url, blob_dir, run_id = sys.argv[1], sys.argv[2], int(sys.argv[3])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 engine = make_engine(url)
-with make_sessionmaker(engine)() as s:
-    applied = apply_round(s, LocalBlobStore(__import__("pathlib").Path(blob_dir)), run_id, now=datetime.now(UTC))
-    ok = applied is not None
+sessions = make_sessionmaker(engine)
+with sessions() as s:
+    closed = close_round(s, run_id, now=datetime.now(UTC))
+blobs = LocalBlobStore(__import__("pathlib").Path(blob_dir))
+steps = ApplyExecutor(sessions=sessions, blobs=blobs, clock=lambda: datetime.now(UTC), name="bench-0").work()
+ok = closed is not None and steps == closed.steps
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"applied": ok, "rss_before_mb": before / 1024, "peak_rss_mb": peak / 1024}))
 """
@@ -433,6 +438,135 @@ def bench_aggregate(mb: float, ks: list[int]) -> dict[str, Any]:
     flat = max(peaks) <= 1.25 * min(peaks)
     within = all(r["peak_rss_mb"] <= r["limit_mb"] for r in rows)
     return {"bench": "aggregate", "rows": rows, "flat_in_k": flat, "within_limit": within, "ok": flat and within}
+
+
+# ------------------------------------------------------------------------------------------------ apply
+
+APPLY_LAYOUT = "embed:shared, b0-0:routed{k}, b1-1:routed{k}, head:shared"
+"""A k x k grid: k^2 paths, 4 modules each (2 + 2k modules in all)."""
+
+
+def _round_of_uploads(state: Any, name: str, k: int, d_model: int, distinct: int) -> int:
+    """A running k x k run whose round 0 holds an accepted upload for every path (random outer gradients, one
+    blob per path with every module's tensors, `distinct` different ones reused); returns the run id."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import select
+
+    from coordinator.models import Contribution, ContributionGrad, Island, Lease, Module, PathModule
+    from coordinator.models import Path as PathRow
+    from coordinator.schemas import RunCreate
+    from coordinator.services.rounds import open_round
+    from coordinator.services.runs import create_run as svc_create_run
+
+    model = {"flavour": "debug", "d_model": d_model, "n_heads": 4, "seq_len": 16, "n_layers": 2}
+    spec = RunCreate(name=name, model=model, layout=APPLY_LAYOUT.format(k=k), inner_steps=1, num_rounds=2)
+    now = datetime.now(UTC)
+    gen = torch.Generator().manual_seed(0)
+    with state.sessions() as s:
+        run = svc_create_run(s, state.blobs, spec, max_path_params=10**10)
+        run.status = RunStatus.RUNNING
+        open_round(s, run, 0, now=now)
+        cfg = ModelConfig.from_dict(run.config["model"])
+        lay = parse_layout(run.layout, n_layers=cfg.n_layers)
+        names = [lv.name for lv in lay.levels]
+        blobs = []
+        for _ in range(distinct):
+            grads = {
+                f"{names[li]}/{param}": torch.randn(shape, generator=gen) * 1e-3
+                for li in range(len(names))
+                for param, shape in level_param_shapes(cfg, lay, li).items()
+            }
+            blobs.append(state.blobs.put_bytes(encode(grads)))
+        island = Island(name="x", site="x", capabilities={}, token_hash=uuid.uuid4().hex, status=IslandStatus.ACTIVE)
+        s.add(island)
+        s.flush()
+        levels = {m.id: m.level_index for m in s.scalars(select(Module).where(Module.run_id == run.id))}
+        for p in s.scalars(select(PathRow).where(PathRow.run_id == run.id).order_by(PathRow.index)):
+            lease = Lease(run_id=run.id, island_id=island.id, path_id=p.id, round=0, status=LeaseStatus.SUBMITTED,
+                          base_versions={}, token_start=0, token_end=1, epoch=0, expires_at=now)  # fmt: skip
+            s.add(lease)
+            s.flush()
+            c = Contribution(lease_id=lease.id, run_id=run.id, round=0, path_id=p.id, tokens=1, train_loss=1.0,
+                             status=ContributionStatus.ACCEPTED)  # fmt: skip
+            s.add(c)
+            s.flush()
+            for module_id in s.scalars(select(PathModule.module_id).where(PathModule.path_id == p.id)):
+                prefix = f"{names[levels[module_id]]}/"
+                s.add(ContributionGrad(contribution_id=c.id, module_id=module_id, blob_hash=blobs[p.index % distinct],
+                                       prefix=prefix, norm=1.0, scale=1.0))  # fmt: skip
+        s.commit()
+        return int(run.id)
+
+
+def bench_apply(k: int, d_model: int, executors: list[int]) -> dict[str, Any]:
+    """Wall time to apply one k x k round (k^2 paths x 4 modules) with N `dipaco coordinator apply-worker`
+    processes, for each N of `executors` (the processes are started and idle before the round closes)."""
+    from datetime import UTC, datetime
+
+    from sqlalchemy import select
+
+    from coordinator.app import build_state
+    from coordinator.models import Run
+    from coordinator.services.rounds import close_round
+    from coordinator.settings import Settings
+
+    url_db = pg_database()
+    tmp = Path(tempfile.mkdtemp(prefix="dipaco-apply-"))
+    settings = Settings(data_dir=tmp, database_url=url_db, admin_token=ADMIN, join_token=JOIN)  # type: ignore[arg-type]
+    state = build_state(settings)
+    rows = []
+    try:
+        for n in executors:
+            run_id = _round_of_uploads(state, f"apply-{n}", k, d_model, distinct=8)
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "dipaco",
+                        "coordinator",
+                        "apply-worker",
+                        "--database-url",
+                        url_db,
+                        "--blob-url",
+                        settings.resolved_blob_url,
+                        "--poll-s",
+                        "0.05",
+                        "--log-level",
+                        "warning",
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                for _ in range(n)
+            ]
+            time.sleep(12)  # imports done, polling
+            start = time.monotonic()
+            with state.sessions() as s:
+                closed = close_round(s, run_id, now=datetime.now(UTC))
+            assert closed is not None
+            while True:
+                with state.sessions() as s:
+                    current = s.scalar(select(Run.current_round).where(Run.id == run_id))
+                if current == 1:
+                    break
+                time.sleep(0.02)
+            wall = time.monotonic() - start
+            for proc in procs:
+                proc.terminate()
+                proc.wait()
+            rows.append({"executors": n, "paths": k * k, "module_steps": closed.steps, "wall_s": round(wall, 3)})
+    finally:
+        state.engine.dispose()
+        drop_pg(url_db)
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = rows[0]["wall_s"]
+    for row in rows:
+        row["x_one"] = round(row["wall_s"] / base, 3)
+    two = next((r["x_one"] for r in rows if r["executors"] == 2), None)
+    return {"bench": "apply", "rows": rows, "target_two_executors": 0.6, "ok": two is not None and two <= 0.6}
 
 
 # --------------------------------------------------------------------------------------------- islands
@@ -662,7 +796,10 @@ def bench_cost(n: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["upload", "aggregate", "islands", "cost"])
+    ap.add_argument("which", choices=["upload", "aggregate", "apply", "islands", "cost"])
+    ap.add_argument("--k", type=int, default=16, help="apply: a k x k grid (k^2 paths)")
+    ap.add_argument("--d-model", type=int, default=256, help="apply: module width")
+    ap.add_argument("--executors", default="1,2", help="apply: apply-worker processes to compare")
     ap.add_argument("--mb", type=float, default=100.0)
     ap.add_argument("--repeats", type=int, default=5, help="upload: raw + upload pairs, each a fresh path")
     ap.add_argument("--ks", default="4,16,64")
@@ -677,6 +814,8 @@ def main() -> None:
         result = bench_upload(args.mb, args.repeats)
     elif args.which == "aggregate":
         result = bench_aggregate(args.mb, [int(k) for k in args.ks.split(",")])
+    elif args.which == "apply":
+        result = bench_apply(args.k, args.d_model, [int(n) for n in args.executors.split(",")])
     elif args.which == "cost":
         result = bench_cost(args.islands)
     else:

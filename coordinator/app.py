@@ -6,24 +6,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from coordinator import db
 from coordinator.api import routes
 from coordinator.api.deps import AppState
-from coordinator.auth import IslandTokenCache, load_service_tokens
+from coordinator.api.guard import RequestGuard
+from coordinator.api.spool import process_spool
+from coordinator.auth import IslandTokenCache, ensure_private_dir, load_service_tokens
 from coordinator.blobstore import BlobError, open_blob_store
 from coordinator.errors import ServiceError
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
+from coordinator.services.apply import ApplyExecutor, executor_name, release_dead_claims
 from coordinator.services.closing import RoundCloser
 from coordinator.services.dispatch import LeaseDispatcher
 from coordinator.services.leases import Affinity
@@ -38,21 +45,20 @@ log = logging.getLogger(__name__)
 
 def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -> AppState:
     """Migrate, connect, open the blob store, and wire the services that hold per-process state."""
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    ensure_private_dir(settings.data_dir)
     url = settings.resolved_database_url
     if settings.migrate_on_start:
         db.upgrade(url)
     engine = db.make_engine(url, pool_size=settings.db_pool_size, max_overflow=settings.db_max_overflow)
     sessions = db.make_sessionmaker(engine)
     blobs = open_blob_store(settings.resolved_blob_url, s3_endpoint_url=settings.s3_endpoint_url)
-    spool = settings.data_dir.resolve() / "spool"
-    spool.mkdir(parents=True, exist_ok=True)
+    spool = process_spool(settings.data_dir.resolve() / "spool")
     metrics = Metrics()
     faults = FaultInjector(pause_at=settings.fault_pause_at, marker_dir=settings.data_dir.resolve())
     # paths stay with the island that trained them (offers, reservations)
     affinity = Affinity(reserve_s=settings.path_reservation_s, live_s=3 * settings.heartbeat_interval_s)
     wakeups, offers = WorkSignal(), OfferBook()
-    closer = RoundCloser(blobs=blobs, affinity=affinity, metrics=metrics, offers=offers, wakeups=wakeups, faults=faults)
+    closer = RoundCloser(metrics=metrics, offers=offers, wakeups=wakeups)
     return AppState(
         settings=settings,
         engine=engine,
@@ -75,9 +81,36 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
             wakeups=wakeups,
             metrics=metrics,
             affinity=affinity,
+            max_leases=settings.max_leases_per_island,
         ),
         uploads=UploadDesk(sessions=sessions, blobs=blobs, clock=clock, closer=closer, metrics=metrics, faults=faults),
     )
+
+
+def start_executors(state: AppState, stop: threading.Event) -> list[threading.Thread]:
+    """`settings.apply_workers` apply executors on threads of this process (see services/apply.py)."""
+    threads = []
+    for index in range(state.settings.apply_workers):
+        executor = ApplyExecutor(
+            sessions=state.sessions,
+            blobs=state.blobs,
+            clock=state.clock,
+            name=executor_name(index),
+            faults=state.faults,
+            affinity=state.dispatcher.affinity,
+            claim_s=state.settings.apply_claim_s,
+            on_step=lambda done: state.closer.stepped(done, now=state.clock()),
+        )
+        thread = threading.Thread(
+            target=executor.serve,
+            args=(stop, state.closer.executors_wake),
+            kwargs={"poll_s": state.settings.sweep_interval_s},
+            name=f"dipaco-apply-{index}",
+            daemon=True,
+        )
+        thread.start()
+        threads.append(thread)
+    return threads
 
 
 async def _sweeper(state: AppState) -> None:
@@ -113,9 +146,12 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
         if state.tokens.generated_file is not None:
             log.info("admin and join tokens are in %s", state.tokens.generated_file)
         with state.sessions() as session:
+            release_dead_claims(session)  # steps a killed process of this host was applying
             recovered = state.closer.close_ready(session, None, now=clock())
             if recovered:
-                log.info("applied %d complete round(s) left over from before a restart", recovered)
+                log.info("closed %d complete round(s) left over from before a restart", recovered)
+        stop = threading.Event()
+        executors = start_executors(state, stop)
         sweeper = asyncio.create_task(_sweeper(state))
         try:
             yield
@@ -123,6 +159,10 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            stop.set()
+            state.closer.executors_wake.set()
+            for thread in executors:
+                await asyncio.to_thread(thread.join, 30)
             state.engine.dispose()
 
     app = FastAPI(
@@ -132,11 +172,16 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
         lifespan=lifespan,
     )
 
-    app.add_middleware(ServerTiming)
+    app.add_middleware(RequestGuard)  # authenticate from the headers, cap JSON bodies
+    app.add_middleware(ServerTiming)  # outermost: its time includes the guard's
 
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, exc: ServiceError) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": json_safe_errors(exc.errors())})
 
     @app.exception_handler(BlobError)
     async def _blob_error(_: Request, exc: BlobError) -> JSONResponse:
@@ -145,7 +190,26 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
 
     for module in (routes.health, routes.runs, routes.registry, routes.islands, routes.leases):
         app.include_router(module.router)
+    app.include_router(routes.dashboard.router)  # reads for watching a run
+    app.include_router(routes.ui.router)  # the web dashboard's files at /ui/
     return app
+
+
+def json_safe_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    """Request validation errors as FastAPI reports them (`loc`, `msg`, `type`, `input`, `ctx`), with any value
+    JSON cannot carry (an `inf` parsed from 1e309, bytes, ...) replaced by its repr: FastAPI's own handler would
+    fail to encode the reply and answer 500 instead of 422."""
+    safe: list[dict[str, Any]] = []
+    for error in errors:
+        entry: dict[str, Any] = {}
+        for key, value in dict(error).items():
+            try:
+                json.dumps(value, allow_nan=False)
+                entry[key] = value
+            except (TypeError, ValueError):
+                entry[key] = repr(value)
+        safe.append(entry)
+    return safe
 
 
 def create_app_from_env() -> FastAPI:

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from coordinator.errors import Forbidden, Unauthorized
 from coordinator.models import Island
-from coordinator.settings import Settings
+from coordinator.settings import MIN_TOKEN_CHARS, Settings
 from coordinator.states import IslandStatus
 
 log = logging.getLogger(__name__)
@@ -44,31 +44,69 @@ class ServiceTokens:
     """Where generated tokens were written (None when both came from the environment)."""
 
 
+class TokenFileError(RuntimeError):
+    """`tokens.json` cannot be used: unreadable, not an object of strings, or a token too short."""
+
+
 def load_service_tokens(settings: Settings) -> ServiceTokens:
-    """Admin and join tokens from settings, else from <data_dir>/tokens.json, generated on first start."""
+    """Admin and join tokens from settings, else from <data_dir>/tokens.json, generated on first start.
+
+    The file is written 0600 (and put back to 0600, with a warning, if it was opened up); its tokens obey the
+    same minimum length as the environment's. A data directory this creates is 0700; an existing one that others
+    can read gets a warning (it holds the tokens, the registry and the blobs).
+    """
     admin = settings.admin_token.get_secret_value() if settings.admin_token else None
     join = settings.join_token.get_secret_value() if settings.join_token else None
     path: Path | None = None
     if admin is None or join is None:
         path = (settings.data_dir / "tokens.json").resolve()
-        stored: dict[str, str] = {}
-        if path.exists():
-            stored = json.loads(path.read_text())
-        changed = False
-        for key in ("admin_token", "join_token"):
-            if key not in stored:
-                stored[key] = new_token(key.split("_")[0])
-                changed = True
-        if changed:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(path.parent)
+        stored = _read_token_file(path)
+        missing = [key for key in ("admin_token", "join_token") if key not in stored]
+        for key in missing:
+            stored[key] = new_token(key.split("_")[0])
+        if missing:
             tmp = path.with_suffix(".tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # O_CREAT's mode only applies to a file it creates
             with os.fdopen(fd, "w") as f:
                 json.dump(stored, f, indent=2)
             os.replace(tmp, path)
+        elif path.stat().st_mode & 0o077:
+            log.warning("%s was readable by others (mode %o); set it back to 0600", path, path.stat().st_mode & 0o777)
+            path.chmod(0o600)
         admin = admin or stored["admin_token"]
         join = join or stored["join_token"]
     return ServiceTokens(admin_hash=hash_token(admin), join_hash=hash_token(join), generated_file=path)
+
+
+def ensure_private_dir(directory: Path) -> None:
+    """Create `directory` 0700 (parents as usual); warn when an existing one is open to others."""
+    if not directory.exists():
+        directory.mkdir(parents=True, mode=0o700)
+        directory.chmod(0o700)  # mkdir's mode is masked by the umask
+    elif directory.stat().st_mode & 0o077:
+        log.warning(
+            "data directory %s is open to other users (mode %o): it holds the tokens, the registry and the blobs; "
+            "consider chmod 700",
+            directory,
+            directory.stat().st_mode & 0o777,
+        )
+
+
+def _read_token_file(path: Path) -> dict[str, str]:
+    if not path.exists():
+        return {}
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenFileError(f"cannot read the tokens in {path}: {exc}") from exc
+    if not isinstance(stored, dict) or not all(isinstance(v, str) for v in stored.values()):
+        raise TokenFileError(f"{path} must be a JSON object of token strings")
+    for key in ("admin_token", "join_token"):
+        if key in stored and len(stored[key]) < MIN_TOKEN_CHARS:
+            raise TokenFileError(f"{path}: {key} must be at least {MIN_TOKEN_CHARS} characters")
+    return dict(stored)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
+from modules.codec import decode_grad_part, read_metadata
+
 CHUNK = 1 << 20
 
 
@@ -50,8 +52,9 @@ class BlobStore(Protocol):
     def get_bytes(self, digest: str) -> bytes: ...
 
     def load_tensors(self, digest: str, prefix: str, *, verified: set[str]) -> dict[str, torch.Tensor]:
-        """The tensors of a safetensors blob whose names start with `prefix` (prefix stripped). The blob's
-        hash is checked once per `verified` set, so one apply reads each upload's hash once."""
+        """The fp32 tensors of an outer-gradient blob whose names start with `prefix` (prefix stripped), decoded
+        from the blob's codec (`modules.codec.decode_grad_part`). The blob's hash is checked once per `verified`
+        set, so one apply reads each upload's hash once."""
         ...
 
     def iter_verified(self, digest: str) -> Iterator[bytes]:
@@ -128,9 +131,10 @@ class LocalBlobStore:
             for _ in self.iter_verified(digest):
                 pass
             verified.add(digest)
-        # memory-mapped: only the tensors asked for are read
+        # memory-mapped: only the tensors asked for (and an int8 payload's scales) are read
         with safe_open(str(self.path(digest)), framework="pt") as f:
-            return {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+            shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+            return decode_grad_part(shapes, f.metadata(), f.get_tensor, prefix)
 
     def _publish(self, tmp_name: str, digest: str) -> None:
         target = self.path(digest)
@@ -206,8 +210,10 @@ class S3BlobStore:
     def load_tensors(self, digest: str, prefix: str, *, verified: set[str]) -> dict[str, torch.Tensor]:
         # S3 has no memory map: the whole blob is read (and its hash checked) each time.
         verified.add(digest)
-        tensors = st_load(self.get_bytes(digest))
-        return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        data = self.get_bytes(digest)
+        tensors = st_load(data)
+        shapes = {k: list(v.shape) for k, v in tensors.items()}
+        return decode_grad_part(shapes, read_metadata(data), tensors.__getitem__, prefix)
 
     def _body(self, digest: str) -> Any:
         from botocore.exceptions import ClientError

@@ -58,6 +58,7 @@ from coordinator.schemas import (
     H_TRAIN_LOSS,
     ContributionPublic,
     ContributionSummary,
+    EventPublic,
     HeartbeatReply,
     IdleReason,
     IslandCapabilities,
@@ -65,15 +66,18 @@ from coordinator.schemas import (
     IslandJoined,
     IslandPublic,
     LeasePublic,
+    LeaseSummary,
     ListOf,
     ModulePublic,
     PathPublic,
     RoundPublic,
     RunCreate,
+    RunHistory,
     RunPublic,
+    RunStats,
     ShardPublic,
 )
-from coordinator.states import IslandStatus, RunStatus
+from coordinator.states import EventKind, IslandStatus, LeaseStatus, RunStatus
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -270,3 +274,38 @@ class CoordinatorClient(Session):
         if response.status_code == 409:
             raise LeaseLost(lease.lease_id, detail(response))
         return self.parse(ContributionPublic, self.check(response, what=what, ok=(200, 201)), what=what)
+
+    # -- watching a run (what the dashboard at /ui/ reads) -----------------------------------------------
+
+    def history(self, run_id: int, *, from_round: int = 0) -> RunHistory:
+        """The run's rounds from `from_round` on, each with every contributing path's train loss (all pages)."""
+        what = f"history of run {run_id}"
+        url = f"/v1/runs/{run_id}/history"
+        page = self.call("GET", url, RunHistory, what=what, params={"offset": from_round, "limit": self.page_size})
+        rounds = list(page.data)
+        while page.data and from_round + len(rounds) < page.count:
+            params = {"offset": from_round + len(rounds), "limit": self.page_size}
+            page = self.call("GET", url, RunHistory, what=what, params=params)
+            rounds.extend(page.data)
+        return page.model_copy(update={"data": rounds})
+
+    def run_stats(self, *, status: RunStatus | None = None) -> list[RunStats]:
+        """Totals per run (rounds applied, tokens, islands at work, latest loss, time per round)."""
+        return self.list_all("/v1/run-stats", RunStats, what="run statistics", params={"status": status})
+
+    def leases(
+        self,
+        *,
+        run_id: int | None = None,
+        island_id: int | None = None,
+        status: LeaseStatus | None = None,
+        round: int | None = None,
+    ) -> list[LeaseSummary]:
+        """Leases, newest first (e.g. `status=LeaseStatus.ACTIVE`: who trains what now)."""
+        params = {"run_id": run_id, "island_id": island_id, "status": status, "round": round}
+        return self.list_all("/v1/leases", LeaseSummary, what="list of leases", params=params)
+
+    def events(self, *, run_id: int | None = None, kind: EventKind | None = None, after: int = 0) -> list[EventPublic]:
+        """Lease expiries, refused uploads and revocations with an id above `after`, oldest first."""
+        params = {"run_id": run_id, "kind": kind, "after": after, "order": "asc"}
+        return self.list_all("/v1/events", EventPublic, what="list of events", params=params)

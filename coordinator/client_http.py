@@ -14,6 +14,7 @@ import email.utils
 import hashlib
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -168,15 +169,26 @@ class Session:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        ca_file: Path | None = None,
     ) -> None:
         """`http`: talk through this client (its base URL, transport and timeouts; `close()` leaves it open); by
-        default the session makes its own `httpx.Client` on `base_url` with `timeout`. `page_size`: items per
-        request of the list calls (1-1000). `sleep`, `clock`, `rng`: injectable for tests."""
+        default the session makes its own `httpx.Client` on `base_url` with `timeout`, trusting the system's
+        certificate authorities, or only `ca_file` (PEM) when given (a coordinator with its own certificate).
+        `page_size`: items per request of the list calls (1-1000). `sleep`, `clock`, `rng`: injectable for tests.
+        """
         if not 1 <= page_size <= PAGE_LIMIT:
             raise ValueError(f"page_size must be in 1..{PAGE_LIMIT}, got {page_size}")
         self.base_url = base_url
-        self._http: HttpClient = http if http is not None else httpx.Client(base_url=base_url, timeout=timeout)
         self._owns_http = http is None
+        if http is None:
+            verify: ssl.SSLContext | bool = True
+            if ca_file is not None:
+                try:
+                    verify = ssl.create_default_context(cafile=str(ca_file))
+                except (OSError, ssl.SSLError) as exc:
+                    raise ValueError(f"cannot use {ca_file} as a CA file: {exc}") from exc
+            http = httpx.Client(base_url=base_url, timeout=timeout, verify=verify)
+        self._http: HttpClient = http
         self._token = token
         self._timeout = timeout
         self.page_size = page_size

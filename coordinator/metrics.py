@@ -6,7 +6,7 @@ Counters are per process, as usual for Prometheus: sum them over coordinator rep
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -18,12 +18,31 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.rounds_applied = Counter(
-            "dipaco_rounds_applied", "Rounds whose outer step this process applied", registry=self.registry
+            "dipaco_rounds_applied",
+            "Rounds whose last module step an apply executor of this process committed",
+            registry=self.registry,
+        )
+        self.rounds_closed = Counter(
+            "dipaco_rounds_closed", "Rounds this process closed (handed to the apply executors)", registry=self.registry
         )
         self.contributions = Counter(
             "dipaco_contributions",
             "Outer-gradient uploads by result (accepted, duplicate, or the rejection reason)",
             ["result"],
+            registry=self.registry,
+        )
+        self.outliers = Counter(
+            "dipaco_outer_gradient_outliers",
+            "Module parts of accepted uploads the round apply clipped to the bound or refused (outer.max_norm, "
+            "outer.max_norm_ratio, non-finite steps)",
+            ["action"],
+            registry=self.registry,
+        )
+        self.refused_requests = Counter(
+            "dipaco_refused_requests",
+            "Requests answered at the door, before any body was read: by reason (unauthorized, forbidden, "
+            "payloadtoolarge)",
+            ["reason"],
             registry=self.registry,
         )
         self.bytes_in = Counter(
@@ -46,3 +65,10 @@ class Metrics:
         except ServiceError as exc:
             self.contributions.labels(result=type(exc).__name__.lower()).inc()
             raise
+
+
+def counted(chunks: Iterable[bytes], counter: Counter) -> Iterator[bytes]:
+    """`chunks` as they are sent, each one added to `counter` (bytes out of a streamed reply)."""
+    for chunk in chunks:
+        counter.inc(len(chunk))
+        yield chunk

@@ -21,7 +21,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from coordinator.states import ContributionStatus, IslandStatus, LeaseStatus, RoundStatus, RunStatus
+from coordinator.schemas import Codec
+from coordinator.states import (
+    ContributionStatus,
+    EventKind,
+    IslandStatus,
+    LeaseStatus,
+    RoundStatus,
+    RunStatus,
+    StepStatus,
+)
 from coordinator.timeutil import utcnow
 
 # BIGINT on PostgreSQL; plain INTEGER on SQLite, where only "INTEGER PRIMARY KEY" auto-increments.
@@ -71,6 +80,9 @@ class Run(Base):
     current_round: Mapped[int] = mapped_column(default=0)
     seed: Mapped[int]
     lease_ttl_s: Mapped[float] = mapped_column(Float)
+    max_lease_s: Mapped[float] = mapped_column(
+        Float, server_default="21600", comment="Longest a lease lives, heartbeats or not"
+    )
     quorum: Mapped[float] = mapped_column(Float, default=1.0)
     round_deadline_s: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -204,6 +216,8 @@ class Contribution(Base):
     path_id: Mapped[int] = mapped_column(ForeignKey("paths.id", ondelete="CASCADE"))
     tokens: Mapped[int]
     train_loss: Mapped[float] = mapped_column(Float)
+    codec: Mapped[Codec] = mapped_column(String(8), server_default="fp32")
+    upload_bytes: Mapped[int] = mapped_column(server_default="0")
     status: Mapped[ContributionStatus] = mapped_column(state_column(ContributionStatus, length=16))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -219,6 +233,31 @@ class ContributionGrad(Base):
     module_id: Mapped[int] = mapped_column(ForeignKey("modules.id", ondelete="CASCADE"), primary_key=True)
     blob_hash: Mapped[str] = mapped_column(String(64))
     prefix: Mapped[str] = mapped_column(String(80))
+    norm: Mapped[float | None] = mapped_column(Float, comment="L2 norm of this part, measured at upload")
+    scale: Mapped[float] = mapped_column(
+        Float, default=1.0, server_default="1", comment="Outlier factor of the apply: 1 as sent, <1 clipped, 0 refused"
+    )
+    note: Mapped[str | None] = mapped_column(String(300), comment="Why the apply clipped or refused this part")
+
+
+class ModuleStep(Base):
+    """One module's outer step of a closing round: the unit of work of the apply executors. Created when the round
+    closes, for every module a contributing path uses; the round is applied when its last step is done."""
+
+    __tablename__ = "module_steps"
+    __table_args__ = (
+        UniqueConstraint("run_id", "round", "module_id"),
+        Index("ix_module_steps_status", "status"),
+    )
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    round: Mapped[int]
+    module_id: Mapped[int] = mapped_column(ForeignKey("modules.id", ondelete="CASCADE"))
+    status: Mapped[StepStatus] = mapped_column(state_column(StepStatus, length=16))
+    claimed_by: Mapped[str | None] = mapped_column(String(200), comment="<host>-<pid>-<n> of the executor")
+    claimed_at: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(default=0)
+    done_at: Mapped[datetime | None]
 
 
 class Round(Base):
@@ -232,3 +271,34 @@ class Round(Base):
     deadline: Mapped[datetime | None] = mapped_column(comment="After it, quorum suffices to close the round")
     applied_at: Mapped[datetime | None]
     num_contributions: Mapped[int | None] = mapped_column(comment="Paths that contributed, set at apply")
+
+
+class Event(Base):
+    """Something an operator wants to see after the fact: a lease expiry, a refused upload, a revocation.
+
+    A log, not a relation: no foreign keys, so an event may name a lease that never existed (an upload refused
+    for an unknown lease id) and outlives nothing it names. Written in the transaction of what it records
+    (expiry, revocation), or in a short one of its own when that transaction is rolled back (refused upload).
+    """
+
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)  # a run's events after a cursor
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[EventKind] = mapped_column(
+        Enum(
+            EventKind,
+            name="kind",
+            native_enum=False,
+            create_constraint=True,
+            length=32,
+            values_callable=lambda enum: [member.value for member in enum],
+            validate_strings=True,
+        )
+    )
+    run_id: Mapped[int | None]
+    island_id: Mapped[int | None]
+    lease_id: Mapped[int | None]
+    round: Mapped[int | None]
+    path_index: Mapped[int | None] = mapped_column(Integer)
+    detail: Mapped[str] = mapped_column(String(2000))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -13,6 +14,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.cli_options import CaFileOpt
 from coordinator.client import ClientError, CoordinatorClient, RetryPolicy
 
 app = typer.Typer(help="Query the registry of a running coordinator.", no_args_is_help=True)
@@ -38,6 +40,7 @@ def fetch(
     coordinator: str,
     token: str | None,
     read: Callable[[CoordinatorClient], Sequence[BaseModel]],
+    ca_file: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Every row `read` returns, as JSON-ready dicts. Client errors become one red line on stderr and exit code 1.
 
@@ -46,7 +49,7 @@ def fetch(
     if not token:
         raise typer.BadParameter("no token: pass --token or set DIPACO_TOKEN / DIPACO_ADMIN_TOKEN")
     try:
-        with CoordinatorClient(coordinator, token, http=ctx.obj, retry=RetryPolicy.once()) as client:
+        with CoordinatorClient(coordinator, token, http=ctx.obj, retry=RetryPolicy.once(), ca_file=ca_file) as client:
             return [row.model_dump(mode="json") for row in read(client)]
     except ClientError as exc:  # on stderr: stdout may be piped JSON
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
@@ -80,9 +83,10 @@ def runs(
     coordinator: CoordinatorOpt = "http://127.0.0.1:8000",
     token: TokenOpt = None,
     json_: JsonOpt = False,
+    ca_file: CaFileOpt = None,
 ) -> None:
     """Runs: status, round, layout."""
-    show("runs", fetch(ctx, coordinator, token, lambda c: c.runs()), json_)
+    show("runs", fetch(ctx, coordinator, token, lambda c: c.runs(), ca_file), json_)
 
 
 @app.command()
@@ -91,11 +95,12 @@ def modules(
     coordinator: CoordinatorOpt = "http://127.0.0.1:8000",
     token: TokenOpt = None,
     json_: JsonOpt = False,
+    ca_file: CaFileOpt = None,
     run_id: RunOpt = None,
     level: Annotated[int | None, typer.Option(help="Only this level")] = None,
 ) -> None:
     """Modules: one row per module, with its level, index and version."""
-    show("modules", fetch(ctx, coordinator, token, lambda c: c.modules(run_id=run_id, level=level)), json_)
+    show("modules", fetch(ctx, coordinator, token, lambda c: c.modules(run_id=run_id, level=level), ca_file), json_)
 
 
 @app.command()
@@ -104,10 +109,11 @@ def paths(
     coordinator: CoordinatorOpt = "http://127.0.0.1:8000",
     token: TokenOpt = None,
     json_: JsonOpt = False,
+    ca_file: CaFileOpt = None,
     run_id: RunOpt = None,
 ) -> None:
     """Paths: the module index on each level, tokens trained, last train loss."""
-    show("paths", fetch(ctx, coordinator, token, lambda c: c.paths(run_id=run_id)), json_)
+    show("paths", fetch(ctx, coordinator, token, lambda c: c.paths(run_id=run_id), ca_file), json_)
 
 
 @app.command()
@@ -116,6 +122,7 @@ def islands(
     coordinator: CoordinatorOpt = "http://127.0.0.1:8000",
     token: TokenOpt = None,
     json_: JsonOpt = False,
+    ca_file: CaFileOpt = None,
 ) -> None:
     """Islands that joined, with status and last heartbeat."""
-    show("islands", fetch(ctx, coordinator, token, lambda c: c.islands()), json_)
+    show("islands", fetch(ctx, coordinator, token, lambda c: c.islands(), ca_file), json_)

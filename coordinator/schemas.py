@@ -9,11 +9,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from coordinator.states import ContributionStatus, IslandStatus, LeaseStatus, RoundStatus, RunStatus
+from coordinator.states import ContributionStatus, EventKind, IslandStatus, LeaseStatus, RoundStatus, RunStatus
 
 T = TypeVar("T")
+
+DB_INT_MAX = 2**63 - 1
+"""The largest integer every supported database stores (PostgreSQL BIGINT, SQLite INTEGER): ids, counts,
+offsets and token numbers from requests are bounded by it (422 above), never an overflow inside the database."""
+SEED_MAX = 2**32 - 1
+"""Run seeds are 32-bit: leases derive per-path seeds from them that torch must accept."""
+STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+"""Request bodies: unknown fields and NaN/Infinity (or numbers that overflow to them, like 1e309) are refused."""
 
 # Header names used on raw-body requests and responses.
 H_ROUND = "X-Dipaco-Round"
@@ -29,6 +37,8 @@ H_IDLE = "X-Dipaco-Idle"
 H_HELD = "X-Dipaco-Held-Ms"
 """How long a long-polled lease request was held with no work (milliseconds)."""
 IdleReason = Literal["waiting", "no-running-runs"]
+Codec = Literal["fp32", "bf16", "int8"]
+"""Outer-gradient codecs (`modules.codec.GRAD_CODECS`)."""
 """Values of `H_IDLE`."""
 
 # Outer gradient upload: one safetensors file whose tensor names are f"{level_name}/{param_name}",
@@ -44,35 +54,43 @@ class ListOf(BaseModel, Generic[T]):
 class ModelSpec(BaseModel):
     """Fields of `modules.ModelConfig`; unset fields take the flavour's value."""
 
-    model_config = ConfigDict(extra="forbid")
-    flavour: str = "debug"
+    model_config = STRICT
+    flavour: str = Field(default="debug", max_length=64)
     vocab_size: int | None = Field(default=None, ge=2, le=65535)
     seq_len: int | None = Field(default=None, ge=2, le=8192)
-    d_model: int | None = Field(default=None, ge=8)
-    n_layers: int | None = Field(default=None, ge=1)
-    n_heads: int | None = Field(default=None, ge=1)
-    mlp_ratio: int | None = Field(default=None, ge=1)
+    d_model: int | None = Field(default=None, ge=8, le=65536)
+    n_layers: int | None = Field(default=None, ge=1, le=1024)
+    n_heads: int | None = Field(default=None, ge=1, le=1024)
+    mlp_ratio: int | None = Field(default=None, ge=1, le=64)
+    block: Literal["gpt2", "llama"] | None = Field(
+        default=None,
+        description="Transformer block: gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, "
+        "rotary positions, SwiGLU, no biases); unset: the flavour's",
+    )
+    tie_embeddings: bool | None = Field(
+        default=None, description="LM head = token embedding matrix (kept in the embed level); unset: the flavour's"
+    )
 
 
 class InnerSpec(BaseModel):
     """Inner AdamW settings (see `modules.InnerConfig`); total_steps is set to rounds * inner_steps."""
 
-    model_config = ConfigDict(extra="forbid")
-    lr: float = Field(default=3e-3, gt=0)
+    model_config = STRICT
+    lr: float = Field(default=3e-3, gt=0, le=10)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    warmup_steps: int = Field(default=10, ge=0)
-    weight_decay: float = Field(default=0.1, ge=0)
+    warmup_steps: int = Field(default=10, ge=0, le=10**9)
+    weight_decay: float = Field(default=0.1, ge=0, le=10)
     beta1: float = Field(default=0.9, ge=0, lt=1)
     beta2: float = Field(default=0.95, ge=0, lt=1)
-    grad_clip: float = Field(default=1.0, ge=0)
+    grad_clip: float = Field(default=1.0, ge=0, le=1e6)
     batch_size: int = Field(default=8, ge=1, le=4096)
 
 
 class OuterSpec(BaseModel):
     """Outer optimizer of every module (see `modules.OuterConfig`, the one home of the outer round)."""
 
-    model_config = ConfigDict(extra="forbid")
-    lr: float = Field(default=0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7)")
+    model_config = STRICT
+    lr: float = Field(default=0.7, gt=0, le=10, description="Outer learning rate (DiLoCo: 0.7)")
     momentum: float = Field(default=0.9, ge=0, lt=1, description="Nesterov momentum (DiLoCo: 0.9)")
     method: Literal["nesterov", "average"] = Field(
         default="nesterov",
@@ -85,10 +103,29 @@ class OuterSpec(BaseModel):
     sqrt_rescale: bool = Field(
         default=False, description="Multiply a module's mean outer gradient by sqrt(number of contributing paths)"
     )
+    max_norm: float | None = Field(
+        default=1e4,
+        gt=0,
+        le=1e30,
+        description="Largest L2 norm of one path's outer gradient for one module; larger ones are outliers "
+        "(null: no absolute bound)",
+    )
+    max_norm_ratio: float | None = Field(
+        default=10.0,
+        gt=1,
+        le=1e6,
+        description="Outliers also: over this many times the median norm of the round's contributions to the "
+        "module (with at least 3 of them; null: no relative bound)",
+    )
+    outliers: Literal["clip", "refuse"] = Field(
+        default="clip",
+        description="An outlier is scaled down to the bound (clip) or left out of the round (refuse; with the "
+        "absolute bound, the upload itself is refused with 422)",
+    )
 
 
 class RunCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     name: str = Field(min_length=1, max_length=200)
     model: ModelSpec = ModelSpec()
     layout: str = Field(
@@ -97,16 +134,36 @@ class RunCreate(BaseModel):
     )
     inner: InnerSpec = InnerSpec()
     outer: OuterSpec = OuterSpec()
+    codec: Codec = Field(
+        default="fp32",
+        description="How islands encode their outer gradients: fp32 (4 bytes a value), bf16 (2) or int8 (1, with one "
+        "fp32 scale per 256 values and error feedback on the island)",
+    )
     inner_steps: int = Field(default=20, ge=1, le=1_000_000, description="H: inner steps per round")
     num_rounds: int = Field(default=3, ge=1, le=1_000_000)
-    seed: int = Field(default=0, ge=0)
-    lease_ttl_s: float = Field(default=120.0, gt=0, description="Lease expiry without heartbeats")
+    seed: int = Field(default=0, ge=0, le=SEED_MAX)
+    lease_ttl_s: float = Field(default=120.0, gt=0, le=86_400, description="Lease expiry without heartbeats")
+    max_lease_s: float = Field(
+        default=21_600,
+        gt=0,
+        le=7 * 86_400,
+        description="Longest a lease lives, heartbeats or not: its path goes back to the pool after it",
+    )
     quorum: float = Field(
         default=1.0, gt=0, le=1, description="Fraction of paths that must contribute to close a round past its deadline"
     )
     round_deadline_s: float | None = Field(
-        default=None, gt=0, description="Seconds after a round opens after which quorum suffices; None: wait for all"
+        default=None,
+        gt=0,
+        le=30 * 86_400,
+        description="Seconds after a round opens after which quorum suffices; None: wait for all",
     )
+
+    @model_validator(mode="after")
+    def _lease_lifetime(self) -> RunCreate:
+        if self.max_lease_s < self.lease_ttl_s:
+            raise ValueError(f"max_lease_s ({self.max_lease_s}) must be at least lease_ttl_s ({self.lease_ttl_s})")
+        return self
 
 
 class RunPublic(BaseModel):
@@ -120,6 +177,7 @@ class RunPublic(BaseModel):
     layout: str
     config: dict[str, Any]
     lease_ttl_s: float
+    max_lease_s: float
     quorum: float
     round_deadline_s: float | None
     created_at: datetime
@@ -179,14 +237,21 @@ class RoundPublic(BaseModel):
 
 
 class IslandCapabilities(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     device: str = Field(default="cpu", max_length=64)
-    memory_bytes: int | None = Field(default=None, ge=0)
-    tokens_per_s: float | None = Field(default=None, ge=0)
+    memory_bytes: int | None = Field(default=None, ge=0, le=DB_INT_MAX)
+    tokens_per_s: float | None = Field(default=None, ge=0, le=1e15)
+    max_leases: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Leases the island can train at once (independent device groups); the coordinator grants at "
+        "most DIPACO_MAX_LEASES_PER_ISLAND",
+    )
 
 
 class IslandJoin(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     name: str = Field(min_length=1, max_length=200)
     site: str = Field(default="local", max_length=200)
     capabilities: IslandCapabilities = IslandCapabilities()
@@ -246,6 +311,7 @@ class LeasePublic(BaseModel):
     token_end: int = Field(description="Last token (exclusive); end - start = H * batch * seq_len + 1")
     epoch: int
     seed: int
+    codec: Codec = Field(default="fp32", description="Encode the outer gradient with this codec (the run's)")
     expires_at: datetime
     status: LeaseStatus
 
@@ -269,6 +335,15 @@ class LeaseReleased(BaseModel):
     status: LeaseStatus
 
 
+class ContributionModule(BaseModel):
+    """One module's part of an accepted upload, and what the round's apply did with it."""
+
+    module_id: int
+    norm: float | None = Field(description="L2 norm of the outer gradient, measured at upload")
+    scale: float = Field(description="Factor it was folded in with: 1 as sent, < 1 clipped, 0 refused")
+    note: str | None = Field(description="Why it was clipped or refused")
+
+
 class ContributionSummary(BaseModel):
     id: int
     lease_id: int
@@ -280,3 +355,85 @@ class ContributionSummary(BaseModel):
     train_loss: float
     status: ContributionStatus
     created_at: datetime
+    modules: list[ContributionModule] = Field(default_factory=list, description="Per module, in level order")
+    codec: Codec = Field(default="fp32", description="The codec the upload was encoded with")
+    upload_bytes: int = Field(default=0, description="Size of the upload as received")
+
+
+# -- dashboard reads (the web dashboard at /ui/ and anything else that watches a run) --------------------------
+
+
+class EventPublic(BaseModel):
+    id: int = Field(description="Increasing; pass the largest seen as `after` to read only newer events")
+    kind: EventKind
+    run_id: int | None
+    island_id: int | None
+    lease_id: int | None
+    round: int | None
+    path_index: int | None
+    detail: str
+    created_at: datetime
+
+
+class LeaseSummary(BaseModel):
+    """A lease as the registry holds it (no shard or module details: see LeasePublic for the island's view)."""
+
+    id: int
+    run_id: int
+    island_id: int
+    round: int
+    path_index: int
+    status: LeaseStatus
+    epoch: int
+    token_start: int
+    token_end: int
+    issued_at: datetime
+    expires_at: datetime
+
+
+class RunStats(BaseModel):
+    """What a run has done so far, aggregated from its paths, rounds and leases."""
+
+    run_id: int
+    rounds_applied: int
+    tokens_trained: int = Field(description="Sum over the run's paths")
+    islands_active: int = Field(
+        description="Live islands (active, heartbeated within 3 heartbeat intervals) that hold a pending lease of "
+        "the run or, while it runs, trained one of its paths last"
+    )
+    latest_train_loss: float | None = Field(description="Mean train loss of the last applied round's contributions")
+    mean_round_s: float | None = Field(description="Mean seconds from a round opening to its apply")
+    last_round_s: float | None = Field(description="Seconds from the last applied round opening to its apply")
+
+
+class PathLoss(BaseModel):
+    """One accepted contribution, as the loss plot needs it."""
+
+    path_index: int
+    train_loss: float
+    tokens: int
+    island_id: int
+
+
+class RoundHistory(BaseModel):
+    number: int
+    status: RoundStatus
+    opened_at: datetime
+    applied_at: datetime | None
+    deadline: datetime | None
+    quorum_paths: int = Field(description="Contributions that close the round once its deadline has passed")
+    contributions: int
+    refused_uploads: int = Field(description="Uploads refused for leases of this round (events)")
+    lease_expiries: int = Field(description="Leases of this round that expired (events)")
+    losses: list[PathLoss] = Field(description="Accepted contributions by path index")
+
+
+class RunHistory(BaseModel):
+    """A page of a run's rounds, oldest first, each with the train loss of every path that contributed."""
+
+    run_id: int
+    num_paths: int
+    num_rounds: int
+    current_round: int
+    data: list[RoundHistory]
+    count: int = Field(description="Rounds of the run so far (all pages)")

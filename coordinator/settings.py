@@ -12,6 +12,21 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+MIN_TOKEN_CHARS = 16
+"""Shortest admin or join token accepted, from the environment or from tokens.json."""
+
+
+def redact_url(url: str) -> str:
+    """A database or blob URL fit to print or log: any password replaced by `***`."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return url  # not a database URL (a path, s3://bucket/prefix): no password in it
+    return parsed.render_as_string(hide_password=True) if parsed.password else url
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DIPACO_", extra="ignore")
@@ -26,6 +41,9 @@ class Settings(BaseSettings):
     )
     admin_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
     join_token: SecretStr | None = Field(default=None, description="Generated on first start if unset")
+    metrics_token: SecretStr | None = Field(
+        default=None, description="When set, GET /metrics needs it as a bearer token (default: open to scrapers)"
+    )
     path_reservation_s: float = Field(
         default=10.0,
         ge=0,
@@ -46,14 +64,40 @@ class Settings(BaseSettings):
     )
     fault_pause_at: str | None = Field(default=None, description="Crash tests only: see coordinator/faults.py")
     max_upload_bytes: int = Field(default=1 << 30, gt=0, description="Cap on one outer-gradient upload")
+    max_path_params: int = Field(
+        default=500_000_000,
+        gt=0,
+        description="Largest model a run may ask for, in parameters per path (creating a run initialises one path "
+        "in the coordinator's memory)",
+    )
+    max_leases_per_island: int = Field(
+        default=4,
+        ge=1,
+        description="Most leases one island holds at once, however many its capabilities claim (default 1 each)",
+    )
+    apply_workers: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description="Apply executors (threads) this process runs; 0: only external `coordinator apply-worker`s",
+    )
+    apply_claim_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description="A module step claimed longer ago than this by an executor on another host is taken over",
+    )
+    max_json_bytes: int = Field(
+        default=1 << 20, gt=0, description="Cap on a JSON request body (run specs, joins); larger ones get 413"
+    )
     max_shard_bytes: int = Field(default=4 << 30, gt=0, description="Cap on one shard token file")
 
     @model_validator(mode="after")
     def _tokens_not_placeholders(self) -> Settings:
         for name in ("admin_token", "join_token"):
             value = getattr(self, name)
-            if value is not None and len(value.get_secret_value()) < 16:
-                raise ValueError(f"DIPACO_{name.upper()} must be at least 16 characters")
+            if value is not None and len(value.get_secret_value()) < MIN_TOKEN_CHARS:
+                raise ValueError(f"DIPACO_{name.upper()} must be at least {MIN_TOKEN_CHARS} characters")
         return self
 
     @property

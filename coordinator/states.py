@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["ContributionStatus", "IslandStatus", "LeaseStatus", "RoundStatus", "RunStatus"]
+__all__ = ["ContributionStatus", "EventKind", "StepStatus", "IslandStatus", "LeaseStatus", "RoundStatus", "RunStatus"]
 
 
 class RunStatus(StrEnum):
@@ -23,6 +23,8 @@ class RunStatus(StrEnum):
 class RoundStatus(StrEnum):
     OPEN = "open"
     """Leasing and accepting uploads."""
+    CLOSING = "closing"
+    """Enough paths contributed: no more leases or uploads; apply executors are stepping its modules."""
     APPLIED = "applied"
     """Closed: every module through a contributing path took its outer step (exactly once)."""
 
@@ -44,6 +46,17 @@ PENDING_LEASES = (LeaseStatus.ACTIVE, LeaseStatus.OFFERED)
 """Lease states that hold a path until they expire."""
 
 
+class StepStatus(StrEnum):
+    """One module's outer step of a closing round, as apply executors see it."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    """Claimed by an executor (`claimed_by`); another may take it over once the claim is stale or its process
+    is gone."""
+    DONE = "done"
+    """Committed: the module's new version exists (exactly once)."""
+
+
 class ContributionStatus(StrEnum):
     ACCEPTED = "accepted"
     """Validated and stored; folded into its round's outer step."""
@@ -55,3 +68,14 @@ class IslandStatus(StrEnum):
     """Left with its own token."""
     REVOKED = "revoked"
     """Removed by an admin; its token no longer authenticates."""
+
+
+class EventKind(StrEnum):
+    """What a row of the `events` table records (the dashboard's event list; CHECK constraint, migration 0004)."""
+
+    LEASE_EXPIRED = "lease_expired"
+    """An active lease ran out without an upload (no heartbeat in time), or an offer was not taken up."""
+    UPLOAD_REFUSED = "upload_refused"
+    """An island's outer-gradient upload was refused; the event's detail is the reason the island was sent."""
+    ISLAND_REVOKED = "island_revoked"
+    """An admin revoked an island; its pending leases went back to the pool."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -24,10 +25,12 @@ def require_token(console: Console, token: str, *, admin: bool = False) -> str:
 
 
 @contextmanager
-def connect(ctx: typer.Context, coordinator: str, token: str) -> Iterator[CoordinatorClient]:
+def connect(
+    ctx: typer.Context, coordinator: str, token: str, ca_file: Path | None = None
+) -> Iterator[CoordinatorClient]:
     """The command's one client: one attempt per request (a person is waiting and can run it again).
 
     `ctx.obj`, when set, is the HTTP client to talk through instead of a fresh one on `coordinator`: tests hand
     in the coordinator app's TestClient with `CliRunner().invoke(app, args, obj=test_client)`."""
-    with CoordinatorClient(coordinator, token, http=ctx.obj, retry=RetryPolicy.once()) as client:
+    with CoordinatorClient(coordinator, token, http=ctx.obj, retry=RetryPolicy.once(), ca_file=ca_file) as client:
         yield client

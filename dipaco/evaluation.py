@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.cli_options import CaFileOpt
 from coordinator.client import ClientError, CoordinatorClient
 from coordinator.schemas import ModulePublic, RunPublic
 from dipaco.commands import connect, require_token
@@ -185,7 +186,8 @@ def eval_command(
     split: Annotated[str, typer.Option(help="Split to score: reads SPLIT.jsonl in the corpus.")] = "heldout",
     every: Annotated[int | None, typer.Option(min=1, help="Re-route every W tokens (paper §2.5).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Any valid bearer token.")] = "",
+    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Admin token (needed to read weights).")] = "",
+    ca_file: CaFileOpt = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 256,
 ) -> None:
     """Routed held-out perplexity of a run: each document goes to one path by its prefix; the prefix is not
@@ -196,7 +198,7 @@ def eval_command(
         routing = load_router(router)
         documents = load_documents(corpus, split)
         tokenizer = find_tokenizer(router)
-        with connect(ctx, coordinator, token) as client:
+        with connect(ctx, coordinator, token, ca_file) as client:
             result = evaluate_run(
                 client,
                 run_id=run,

@@ -4,7 +4,9 @@ An export is a directory with two files:
 
 * `model.safetensors`: the path's state dict (the `modules.PathModel` parameter names), its header metadata
   recording run, path, layout and module versions (provenance only; loading does not need it);
-* `config.json`: the `modules.ModelConfig` fields, written last (complete-or-absent).
+* `config.json`: the `modules.ModelConfig` fields (the block style `gpt2` or `llama` and `tie_embeddings` among
+  them: a tied export has no `lm_head.weight`), written last (complete-or-absent). A config.json without `block`
+  was written before blocks were selectable and loads as gpt2.
 
 `load_exported(dir)` gives a plain `PathModel` in eval mode, without the coordinator. `generate` samples from
 any `PathModel`: temperature 0 is greedy; otherwise a `torch.Generator` seeded with `seed` drives
@@ -26,6 +28,7 @@ import typer
 from rich.console import Console
 from safetensors.torch import load_file, save_file
 
+from coordinator.cli_options import CaFileOpt
 from coordinator.client import ClientError, CoordinatorClient
 from dipaco.commands import connect, require_token
 from dipaco.evaluation import EvalError, fetch_run_paths, load_router
@@ -114,7 +117,10 @@ def generate(
     stop_at_eos: bool = True,
 ) -> list[int]:
     """Sample up to `max_new_tokens` tokens after `prompt` (only the new tokens are returned); the context is the
-    last `seq_len` tokens. temperature 0: greedy. Stops after EOS when `stop_at_eos`."""
+    last `seq_len` tokens. temperature 0: greedy. Stops after EOS when `stop_at_eos`.
+
+    Every step re-reads the whole window, so positions count from 0 at the window's first token, learned (gpt2)
+    or rotary (llama) alike: as in training, where every sequence is a seq_len window cut anywhere in a shard."""
     if temperature < 0 or max_new_tokens < 0:
         raise ValueError(f"temperature and max_new_tokens must be >= 0, got {temperature}, {max_new_tokens}")
     model.eval()
@@ -160,12 +166,13 @@ def export_command(
     run: Annotated[int, typer.Option(help="Run id.")],
     path: Annotated[int, typer.Option(min=0, help="Path index to export.")],
     out: Annotated[Path, typer.Option(help="Output directory (model.safetensors + config.json).")],
-    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Any valid bearer token.")] = "",
+    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Admin token (needed to read weights).")] = "",
+    ca_file: CaFileOpt = None,
 ) -> None:
     """Export one path of a run (current module versions) as a standalone safetensors file + config.json."""
     console = Console()
     token = require_token(console, token)
-    with _user_errors(console), connect(ctx, coordinator, token) as client:
+    with _user_errors(console), connect(ctx, coordinator, token, ca_file) as client:
         provenance = export_path(client, run_id=run, path_index=path, out_dir=out)
     versions = ", ".join(f"{m['level']}[{m['index']}]@v{m['version']}" for m in provenance["modules"])
     console.print(f"exported run {run} path {path} (round {provenance['round']}; {versions}) to {out}")
@@ -183,7 +190,8 @@ def generate_command(
     max_new_tokens: Annotated[int, typer.Option(min=0, help="Tokens (bytes) to sample.")] = 200,
     temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy.")] = 0.8,
     seed: Annotated[int, typer.Option(help="Sampling seed: the same seed gives the same text.")] = 0,
-    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Any valid bearer token.")] = "",
+    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Admin token (needed to read weights).")] = "",
+    ca_file: CaFileOpt = None,
 ) -> None:
     """Sample text from an exported path (--from DIR) or from a run with routing (--coordinator, --run, --router)."""
     console = Console()
@@ -196,7 +204,7 @@ def generate_command(
         else:
             if not (coordinator and run is not None and router):
                 raise ExportError("give --from DIR, or all of --coordinator, --run and --router")
-            with connect(ctx, coordinator, require_token(console, token)) as client:
+            with connect(ctx, coordinator, require_token(console, token), ca_file) as client:
                 model, path = routed_model(client, run_id=run, router_dir=router, prompt=prompt)
             where = f"run {run}, path {path} (routed by the prompt's first 32 tokens)"
         ids = generate(model, tok.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)

@@ -114,15 +114,21 @@ def dense_layout(n_layers: int) -> str:
 
 
 def standard_contenders(
-    flavour_name: str = "debug", *, width_factor: int = 2, with_4x4: bool = False, with_token_reference: bool = False
+    flavour_name: str = "debug",
+    *,
+    block: str | None = None,
+    width_factor: int = 2,
+    with_4x4: bool = False,
+    with_token_reference: bool = False,
 ) -> list[Contender]:
     """dense-S (one path of size S), DiPaCo 2x2, flat 4 experts, dense with ~4x S params (d_model x width_factor);
-    optionally DiPaCo 4x4. The blocks are split evenly between the two routed levels of a grid."""
+    optionally DiPaCo 4x4. The blocks are split evenly between the two routed levels of a grid. `block`: the
+    transformer block style of every contender (gpt2, llama; None: the flavour's)."""
     cfg = flavour(flavour_name)
     n = cfg.n_layers
     half = n // 2
     grid = f"embed:shared, b0-{half - 1}:routed{{k}}, b{half}-{n - 1}:routed{{k}}, head:shared"
-    base = {"flavour": flavour_name}
+    base: dict[str, Any] = {"flavour": flavour_name} | ({"block": block} if block else {})
     out = [
         Contender(name="dense-S", model=base, layout=dense_layout(n)),
         Contender(name="DiPaCo 2x2", model=base, layout=grid.format(k=2), levels=(2, 2)),
@@ -167,6 +173,8 @@ class QualitySettings:
     """torch threads while scoring: on 2 busy cores one thread was 2.5x faster than two (docs/LOG.md)."""
     reroute_every: int | None = None
     """Also score the last round re-routing every W tokens (paper §2.5)."""
+    codec: str = "fp32"
+    """How the islands upload their outer gradients (the run field `codec`: fp32, bf16, int8)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.inner_steps < 1 or self.batch_size < 1 or self.eval_every < 1:
@@ -324,6 +332,7 @@ def run_spec(contender: Contender, settings: QualitySettings, *, name: str) -> R
         "num_rounds": settings.rounds,
         "seed": settings.seed,
         "lease_ttl_s": 120,
+        "codec": settings.codec,
     }
     return RunCreate.model_validate(spec)
 

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from coordinator.cli_options import CaFileOpt
 from coordinator.client import ClientError, CoordinatorClient
 from coordinator.schemas import ShardPublic
 from dipaco.commands import connect, require_token
@@ -57,11 +58,15 @@ def register_command(
     coordinator: Annotated[str, typer.Option(help="Coordinator base URL, e.g. http://127.0.0.1:8000.")],
     run: Annotated[int, typer.Option(help="Run id to attach the shards to.")],
     token: Annotated[str, typer.Option(envvar="DIPACO_ADMIN_TOKEN", help="Admin bearer token.")] = "",
+    ca_file: CaFileOpt = None,
 ) -> None:
     """Upload the shards to a run on the coordinator (one POST per path)."""
     console = Console()
     token = require_token(console, token, admin=True)
-    with user_errors(console, ShardError, RegistrationError, ClientError), connect(ctx, coordinator, token) as client:
+    with (
+        user_errors(console, ShardError, RegistrationError, ClientError),
+        connect(ctx, coordinator, token, ca_file) as client,
+    ):
         records = register_shards(shards, client=client, run_id=run)
     table = Table(title=f"shards of run {run}")
     for column in ("path", "shard id", "tokens", "documents"):
@@ -79,7 +84,8 @@ def refit_command(
     corpus: Annotated[Path, typer.Option(help="Corpus directory (from `corpus`).")],
     out: Annotated[Path, typer.Option(help="Directory for the refit router (router.json + safetensors).")],
     split: Annotated[str, typer.Option(help="Router-held-out documents: reads SPLIT.jsonl in the corpus.")] = "heldout",
-    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Any valid bearer token.")] = "",
+    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Admin token (needed to read weights).")] = "",
+    ca_file: CaFileOpt = None,
     min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Least routed share / target share.")] = 0.5,
     max_share: Annotated[float, typer.Option(min=1.0, help="Most routed share / target share.")] = 2.0,
     seed: Annotated[int, typer.Option(help="Seed of the logistic regression.")] = 0,
@@ -95,7 +101,7 @@ def refit_command(
     with user_errors(console, CorpusError, RouterError, ShardError, *EVAL_ERRORS):
         base = load_router(router)
         documents = load_documents(corpus, split)
-        with connect(ctx, coordinator, token) as client:
+        with connect(ctx, coordinator, token, ca_file) as client:
             run_paths = fetch_run_paths(client, run)
             if run_paths.num_paths != base.num_paths:
                 raise EvalError(f"the router has {base.num_paths} paths, run {run} has {run_paths.num_paths}")

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 
+from coordinator.cli_options import CaFileOpt
 from island.distributed import follower_main, launch_followers, ranks_from_env
 from island.worker import Island, IslandConfig, default_name
 
@@ -97,6 +98,7 @@ def join(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", envvar="DIPACO_ISLAND_QUIET", help="No progress bar.")
     ] = False,
+    ca_file: CaFileOpt = None,
 ) -> None:
     """Join a run and train leased paths until the run finishes (exit codes: see docs/ISLAND.md)."""
     console = Console(stderr=True)
@@ -125,6 +127,7 @@ def join(
             optimizer_cache=optimizer_cache,
             probe=probe,
             quiet=quiet,
+            ca_file=ca_file,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

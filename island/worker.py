@@ -13,12 +13,14 @@ A second SIGINT/SIGTERM exits at once with 128+N, without releasing anything (th
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,13 +43,14 @@ from island.optimizer_state import InnerStates
 from island.progress import LeaseProgress
 from modules import (
     CodecError,
+    ErrorFeedback,
     InnerConfig,
     ModelConfig,
     PathModel,
     batches_from_tokens,
     build_path,
     decode,
-    encode,
+    encode_grad,
     make_optimizer,
     pseudo_gradient,
 )
@@ -96,6 +99,8 @@ class IslandConfig:
     """Measure tokens/s with a few debug-model steps (< 1 s) before joining, for the capabilities."""
     seed_offset: int = 0
     """Added to each lease's seed before seeding torch, so islands can differ when they need to."""
+    ca_file: Path | None = None
+    """PEM file of the certificate authority to trust for an https coordinator (default: the system's)."""
     optimizer_cache: int = 4
     """Paths whose inner AdamW state a single-process island keeps (DiLoCo keeps inner state across rounds; an
     island that trains several paths per round resumes each). Multi-process islands keep the last one only."""
@@ -181,7 +186,11 @@ class Island:
         retry = RetryPolicy(
             give_up_after_s=config.give_up_after_s, cap_s=max(config.max_backoff_s, RetryPolicy().base_s)
         )
-        self.client = client if client is not None else CoordinatorClient(config.coordinator, config.token, retry=retry)
+        self.client = (
+            client
+            if client is not None
+            else CoordinatorClient(config.coordinator, config.token, retry=retry, ca_file=config.ca_file)
+        )
         self.console = console if console is not None else Console(stderr=True)
         self.cache = BlobCache(config.cache_dir)
         self.results: list[LeaseResult] = []
@@ -192,6 +201,8 @@ class Island:
         self._lease: LeasePublic | None = None
         """The lease being worked on; released on the way out if still set."""
         self._inner_states = InnerStates(1 if self.ranks.distributed else config.optimizer_cache)
+        self._residuals = InnerStates(config.optimizer_cache)
+        """Error-feedback residual of the run's codec per (run, path), kept like the inner state (rank 0 only)."""
         """Inner AdamW state of accepted leases; multi-process islands keep the last one only (followers hold
         their own copy of it)."""
         self._leader: Leader | None = None
@@ -266,6 +277,11 @@ class Island:
             init_group(self.ranks, self.device)
             self._leader = Leader(self.ranks, self.device)
         caps = capabilities(self.device, probe=cfg.probe)
+        if _in_clear(cfg.coordinator):
+            log.warning(
+                "talking to %s over plain http: the tokens, weights and data travel in clear (use https)",
+                cfg.coordinator,
+            )
         joined = self.client.join(cfg.name, cfg.site, caps)
         self._joined = True
         log.info(
@@ -373,9 +389,12 @@ class Island:
             return result
         result.train_s = elapsed
         result.tokens_per_s = result.tokens / max(elapsed, 1e-9)
-        contribution = self._upload(lease, inputs, model, result=result)
-        # The inner state is kept only once the coordinator has accepted the work it belongs to.
-        self._inner_states.accept((lease.run_id, lease.path_id), lease.lease_id, optimizer.state_dict())
+        contribution, residual = self._upload(lease, inputs, model, result=result)
+        # The inner state and the codec's residual are kept only once the coordinator has accepted the work.
+        key = (lease.run_id, lease.path_id)
+        self._inner_states.accept(key, lease.lease_id, optimizer.state_dict())
+        if residual:
+            self._residuals.accept(key, lease.lease_id, residual)
         log.info(
             "round %d path %d: loss %.4f→%.4f, %.0f tok/s, upload %.2f MB%s",
             lease.round,
@@ -384,7 +403,7 @@ class Island:
             result.losses[-1],
             result.tokens_per_s,
             result.upload_bytes / 1e6,
-            " (round applied)" if contribution.round_applied else "",
+            " (completed the round)" if contribution.round_applied else "",
         )
         return result
 
@@ -492,15 +511,23 @@ class Island:
 
     def _upload(
         self, lease: LeasePublic, inputs: _Inputs, model: PathModel, *, result: LeaseResult
-    ) -> ContributionPublic:
-        """Encode the per-module outer gradients and upload them; raises `LeaseLost` on 409."""
+    ) -> tuple[ContributionPublic, dict[str, torch.Tensor]]:
+        """Encode the per-module outer gradients with the run's codec and upload them; raises `LeaseLost` on 409.
+
+        Returns the contribution and the codec's new error-feedback residual (what quantisation lost this time,
+        added to the next lease's outer gradient of the path), for the caller to keep once the work is accepted.
+        """
         t_upload = time.perf_counter()
-        payload = encode(_outer_gradients(inputs.levels, inputs.base, model))
+        feedback = ErrorFeedback()
+        if lease.codec != "fp32":  # fp32 loses nothing: no residual to carry
+            feedback.residual = self._residuals.get((lease.run_id, lease.path_id)) or {}
+        grads = _outer_gradients(inputs.levels, inputs.base, model)
+        payload = encode_grad(grads, lease.codec, error_feedback=feedback if lease.codec != "fp32" else None)
         result.upload_bytes = len(payload)
         mean_loss = sum(result.losses) / len(result.losses)
         contribution = self.client.upload(lease, payload, tokens=result.tokens, train_loss=mean_loss)
         result.upload_s = time.perf_counter() - t_upload
-        return contribution
+        return contribution, feedback.residual
 
     # -- inputs ----------------------------------------------------------------------------------------------
 
@@ -577,3 +604,17 @@ def _retry_integrity_once(fetch: Callable[[], bytes]) -> Callable[[], bytes]:
             return fetch()
 
     return fetch_twice
+
+
+def _in_clear(url: str) -> bool:
+    """An http:// URL to another machine (loopback traffic stays on this one)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme != "http":
+        return False
+    host = parsed.hostname or ""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True

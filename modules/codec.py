@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -78,6 +78,8 @@ def decode(data: bytes, *, allowed_dtypes: frozenset[str] = DEFAULT_ALLOWED) -> 
 GradCodec = Literal["fp32", "bf16", "int8"]
 GRAD_CODECS: tuple[GradCodec, ...] = ("fp32", "bf16", "int8")
 DEFAULT_BLOCK_SIZE = 256
+MAX_BLOCK_SIZE = 1 << 20
+"""Largest int8 block a payload may declare (a block is one fp32 scale for this many values)."""
 """int8 block: 256 values share one fp32 scale, i.e. 4/256 = 1.6 % overhead on top of 1 byte per value."""
 
 _RESERVED = "::"
@@ -261,6 +263,59 @@ def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
             f"int8 payload: {len(raw)} tensors in blocks of {block_size} need {offset} scales, got {scales.numel()}"
         )
     return out
+
+
+def int8_scale_spans(shapes: Mapping[str, Sequence[int]], block_size: int) -> dict[str, tuple[int, int]]:
+    """Where each tensor's block scales sit in an int8 payload's `::scales`: name -> (start, count), tensors in
+    sorted-name order, `ceil(numel / block_size)` scales each."""
+    _check_block_size(block_size)
+    spans: dict[str, tuple[int, int]] = {}
+    offset = 0
+    for name in sorted(shapes):
+        count = math.ceil(math.prod(int(d) for d in shapes[name]) / block_size)
+        spans[name] = (offset, count)
+        offset += count
+    return spans
+
+
+def payload_codec(metadata: Mapping[str, str] | None) -> tuple[str, int]:
+    """(codec, int8 block size) of a payload from its safetensors metadata; a payload without `dipaco.codec`
+    (written by plain `encode`) is fp32. Raises CodecError for an unknown codec or a bad block size."""
+    meta = metadata or {}
+    codec = meta.get("dipaco.codec", "fp32")
+    _check_codec(codec)
+    if codec != "int8":
+        return codec, DEFAULT_BLOCK_SIZE
+    raw = meta.get("dipaco.block_size", "")
+    if not raw.isdigit():
+        raise CodecError(f"int8 payload has a bad dipaco.block_size {raw!r}")
+    block_size = int(raw)
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise CodecError(f"int8 block size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+    return codec, block_size
+
+
+def decode_grad_part(
+    shapes: Mapping[str, Sequence[int]],
+    metadata: Mapping[str, str] | None,
+    get_tensor: Callable[[str], torch.Tensor],
+    prefix: str,
+) -> dict[str, torch.Tensor]:
+    """The fp32 tensors of one module (names starting with `prefix`, stripped) of an outer-gradient payload read
+    lazily: `shapes` are every tensor's shape from the header and `get_tensor` reads one tensor (a memory map),
+    so only that module's tensors and, for int8, the block scales are read."""
+    codec, block_size = payload_codec(metadata)
+    names = [name for name in shapes if name.startswith(prefix) and name != SCALES_NAME]
+    if codec != "int8":
+        return {name[len(prefix) :]: get_tensor(name).float() for name in names}
+    spans = int8_scale_spans({k: v for k, v in shapes.items() if k != SCALES_NAME}, block_size)
+    scales = get_tensor(SCALES_NAME)
+    return {
+        name[len(prefix) :]: dequantize_int8(
+            get_tensor(name), scales[spans[name][0] : spans[name][0] + spans[name][1]], block_size=block_size
+        )
+        for name in names
+    }
 
 
 def grad_payload_nbytes(

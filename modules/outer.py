@@ -12,6 +12,11 @@ Options (all off by default, so the defaults are DiLoCo's Algorithm 1):
 * √n rescale (`OuterConfig.sqrt_rescale`): multiply the weighted mean by √n, n = number of contributing paths.
 * plain averaging (`OuterConfig.method = "average"`): the module becomes the weighted mean of the trained
   weights, identical to the Nesterov step with lr 1 and momentum 0.
+* outliers (`outlier_scales`): a path's outer gradient for a module whose L2 norm is over `max_norm`, or over
+  `max_norm_ratio` x the median norm of the round's contributions to that module, is clipped to the bound or
+  refused (`outliers`). A finite but huge upload (every value 3.4e38) otherwise made 4 of 6 modules entirely
+  non-finite after one round. `RoundAccumulator.finish` also refuses to return non-finite weights
+  (`NonFiniteStep`), so a caller can drop the offending contributions instead of committing them.
 
 `RoundAccumulator` is the one home of a module's round: fold `(outer gradient, weight)` pairs one at a time
 (memory O(module), whatever the number of paths), then `finish` averages, rescales and steps. The coordinator's
@@ -22,6 +27,7 @@ apply, the reference simulator (`modules.simulate`) and the tests' recomputation
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -46,6 +52,15 @@ class OuterConfig:
     weighting: Literal["uniform", "tokens"] = "uniform"
     """How a contribution is weighted in its module's average (`contribution_weight`): `uniform` (DiLoCo's plain
     mean) or `tokens` (α weights by the tokens trained for it, DiPaCo §2.7)."""
+    max_norm: float | None = 1e4
+    """Largest L2 norm of one contribution's outer gradient for one module (None: no absolute bound). The
+    default is far above what training produces (an outer gradient is a few steps of weight change) and far
+    below what breaks float32 arithmetic."""
+    max_norm_ratio: float | None = 10.0
+    """Bound relative to the median norm of the round's contributions to the module, applied when at least
+    `MEDIAN_MIN_CONTRIBUTIONS` contributed (None: no relative bound)."""
+    outliers: Literal["clip", "refuse"] = "clip"
+    """What happens to a contribution over a bound: scaled down to the bound, or left out of the round."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -56,6 +71,56 @@ class OuterConfig:
             raise ValueError(f"outer method must be 'nesterov' or 'average', got {self.method!r}")
         if self.weighting not in ("uniform", "tokens"):
             raise ValueError(f"outer weighting must be 'uniform' or 'tokens', got {self.weighting!r}")
+        if self.max_norm is not None and not (math.isfinite(self.max_norm) and self.max_norm > 0):
+            raise ValueError(f"outer max_norm must be finite and > 0 (or None), got {self.max_norm}")
+        if self.max_norm_ratio is not None and not (math.isfinite(self.max_norm_ratio) and self.max_norm_ratio > 1):
+            raise ValueError(f"outer max_norm_ratio must be finite and > 1 (or None), got {self.max_norm_ratio}")
+        if self.outliers not in ("clip", "refuse"):
+            raise ValueError(f"outer outliers must be 'clip' or 'refuse', got {self.outliers!r}")
+
+
+MEDIAN_MIN_CONTRIBUTIONS = 3
+"""The relative bound needs a median that one outlier cannot move: at least this many contributions."""
+
+
+class NonFiniteStep(ValueError):
+    """The outer step of a module would produce NaN or Inf weights or momentum (nothing is returned)."""
+
+
+def grad_norm(grad: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm of one module's outer gradient over all its tensors (float64: a float32 sum of squares overflows
+    for values above ~1e19); inf when any value is not finite."""
+    total = sum(float(torch.sum(t.double() ** 2)) for t in grad.values())
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def outlier_bound(norms: Sequence[float], cfg: OuterConfig) -> float:
+    """The largest norm a contribution to one module may have this round: `max_norm`, lowered to
+    `max_norm_ratio` x the median of the finite `norms` when at least `MEDIAN_MIN_CONTRIBUTIONS` contributed and
+    that median is > 0 (inf when there is no bound)."""
+    bound = math.inf if cfg.max_norm is None else cfg.max_norm
+    finite = [n for n in norms if math.isfinite(n)]
+    if cfg.max_norm_ratio is not None and len(norms) >= MEDIAN_MIN_CONTRIBUTIONS and finite:
+        median = statistics.median(finite)
+        if median > 0:
+            bound = min(bound, cfg.max_norm_ratio * median)
+    return bound
+
+
+def outlier_scales(norms: Sequence[float], cfg: OuterConfig) -> list[float]:
+    """The factor each contribution to one module enters the round with: 1.0 as sent, in (0, 1) clipped to
+    `outlier_bound` (`outliers="clip"`), 0.0 refused (`outliers="refuse"`, or a norm that is not finite, which
+    no factor can bring back)."""
+    bound = outlier_bound(norms, cfg)
+    scales: list[float] = []
+    for norm in norms:
+        if not math.isfinite(norm):
+            scales.append(0.0)
+        elif norm <= bound:
+            scales.append(1.0)
+        else:
+            scales.append(bound / norm if cfg.outliers == "clip" else 0.0)
+    return scales
 
 
 def contribution_weight(cfg: OuterConfig, tokens: float) -> float:
@@ -174,13 +239,16 @@ class RoundAccumulator:
         """Contributions folded in with a weight > 0."""
         return self._count
 
-    def add(self, grad: Mapping[str, torch.Tensor], weight: float = 1.0) -> None:
-        """Fold in one path's outer gradient for this module with its weight (>= 0, finite)."""
+    def add(self, grad: Mapping[str, torch.Tensor], weight: float = 1.0, *, scale: float = 1.0) -> None:
+        """Fold in one path's outer gradient for this module with its weight (>= 0, finite) and its outlier
+        factor (`outlier_scales`: the gradient is multiplied by it; 0 leaves the contribution out)."""
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"weights must be >= 0 and finite, got {weight}")
-        if weight == 0:
+        if not 0 <= scale <= 1:
+            raise ValueError(f"outlier scale must be in [0, 1], got {scale}")
+        if weight == 0 or scale == 0:
             return
-        self._sum = accumulate(self._sum, grad, weight)
+        self._sum = accumulate(self._sum, grad, weight * scale)
         self._total += weight
         self._count += 1
 
@@ -204,6 +272,8 @@ class RoundAccumulator:
 
         `method="average"`: new params = params - mean gradient (the weighted mean of the trained weights); the
         momentum is returned unchanged (it is not used).
+
+        Raises `NonFiniteStep` rather than return weights or momentum with NaN/Inf in them.
         """
         if self._sum is None:
             return dict(params), (dict(momentum) if momentum is not None else None)
@@ -212,8 +282,14 @@ class RoundAccumulator:
             avg = rescale(avg, self._count)
         if cfg.method == "average":
             new = {name: (p.float() - avg[name]).to(p.dtype) for name, p in params.items()}
-            return new, (dict(momentum) if momentum is not None else None)
-        return nesterov_step(params, avg, momentum, cfg)
+            new_momentum = dict(momentum) if momentum is not None else None
+        else:
+            new, new_momentum = nesterov_step(params, avg, momentum, cfg)
+        for name, tensors in (("weights", new), ("momentum", new_momentum or {})):
+            bad = [key for key, t in tensors.items() if not bool(torch.isfinite(t).all())]
+            if bad:
+                raise NonFiniteStep(f"the outer step would make the module's {name} non-finite (tensor {bad[0]!r})")
+        return new, new_momentum
 
 
 def outer_update(
@@ -223,7 +299,8 @@ def outer_update(
     momentum: Mapping[str, torch.Tensor] | None,
     cfg: OuterConfig,
 ) -> tuple[Tensors, Tensors | None]:
-    """One module's outer round over gradients already in a list: `RoundAccumulator` fed in order, then finished.
+    """One module's outer round over gradients already in a list: `outlier_scales` of their norms, then
+    `RoundAccumulator` fed in order and finished.
 
     `grads` holds the outer gradients of the paths that used this module and reported this round, `weights`
     their weights (uniform: all 1.0). Returns (new params, new momentum); see `RoundAccumulator.finish`.
@@ -231,6 +308,7 @@ def outer_update(
     if len(grads) != len(weights):
         raise ValueError(f"need one weight per gradient: {len(grads)} vs {len(weights)}")
     acc = RoundAccumulator()
-    for grad, weight in zip(grads, weights, strict=True):
-        acc.add(grad, weight)
+    scales = outlier_scales([grad_norm(g) for g in grads], cfg)
+    for grad, weight, scale in zip(grads, weights, scales, strict=True):
+        acc.add(grad, weight, scale=scale)
     return acc.finish(params, momentum, cfg)

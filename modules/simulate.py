@@ -20,10 +20,14 @@ Rounds (r = 0 .. rounds-1); inside a round paths run in index order, all from th
     5. Outer gradient per level: `pseudo_gradient(module weights at round start, trained weights)`.
     6. The path's train loss for the round is the mean of its H step losses.
     After every path has trained, each module folds the outer gradients of the paths that use it into a
-    `RoundAccumulator`, in path order, and finishes it with `outer`. A contribution's weight is
+    `RoundAccumulator`, in path order, each with its outlier factor (`outlier_scales` of the L2 norms), and
+    finishes it with `outer`. A contribution's weight is
     `path_weights[p]` when given (e.g. `alpha_weights` of shard sizes, §2.7), else `contribution_weight(outer,
     tokens)` with the H * B * T tokens it trained, exactly as the coordinator weighs an upload.
     Every module of the layout is used by at least one path, so every module steps every round.
+
+Codec (`codec`, the run field): each worker's outer gradient goes through `encode_grad` with its own error
+    feedback and back through `decode_grad` before the outer round, as an island's upload does (fp32: untouched).
 
 Replicas (`replicas=R`, DiLoCo's data-parallel workers)
     Each path is trained by R workers per round; worker j of path p uses `tokens[p * R + j]`, its own model and
@@ -39,11 +43,19 @@ from dataclasses import dataclass
 
 import torch
 
+from modules.codec import ErrorFeedback, GradCodec, decode_grad, encode_grad
 from modules.compose import compose_state, init_level_modules, split_state
 from modules.config import ModelConfig
 from modules.layout import Layout
 from modules.model import PathModel
-from modules.outer import OuterConfig, RoundAccumulator, contribution_weight, pseudo_gradient
+from modules.outer import (
+    OuterConfig,
+    RoundAccumulator,
+    contribution_weight,
+    grad_norm,
+    outlier_scales,
+    pseudo_gradient,
+)
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 Tensors = dict[str, torch.Tensor]
@@ -80,6 +92,7 @@ def simulate(
     tokens: Sequence[torch.Tensor],
     path_weights: Sequence[float] | None = None,
     replicas: int = 1,
+    codec: GradCodec = "fp32",
 ) -> SimulationResult:
     """Run `rounds` DiPaCo rounds of H = `steps_per_round` inner steps; `tokens[p * replicas + j]` is the shard of
     worker j of path p (with one replica: `tokens[p]` is path p's shard)."""
@@ -114,6 +127,7 @@ def simulate(
     models = [PathModel(cfg) for _ in range(workers)]
     optimizers = [make_optimizer(m, inner) for m in models]
     offsets = [0] * workers
+    feedback = [ErrorFeedback() for _ in range(workers)]  # the codec's residual, kept per worker as islands do
     losses: list[list[float]] = []
 
     for r in range(rounds):
@@ -140,14 +154,27 @@ def simulate(
             step_losses = train_steps(models[p], optimizers[p], batches, inner, first_step=first)
             worker_losses.append(sum(step_losses) / len(step_losses))
             trained = split_state({n: t.detach().clone() for n, t in models[p].state_dict().items()}, layout)
-            grads.append([pseudo_gradient(base[lv], trained[lv]) for lv in range(len(base))])
+            outer_grads = [pseudo_gradient(base[lv], trained[lv]) for lv in range(len(base))]
+            grads.append(_through_codec(outer_grads, layout, codec, feedback[p]))
         for lv, mods in enumerate(modules):
             for m in range(len(mods)):
+                users = [w for w in range(workers) if choice[w][lv] == m]
+                scales = outlier_scales([grad_norm(grads[w][lv]) for w in users], outer)
                 acc = RoundAccumulator()
-                for w in range(workers):
-                    if choice[w][lv] == m:
-                        acc.add(grads[w][lv], weights[w // replicas])
+                for w, scale in zip(users, scales, strict=True):
+                    acc.add(grads[w][lv], weights[w // replicas], scale=scale)
                 mods[m], momentum[lv][m] = acc.finish(mods[m], momentum[lv][m], outer)
         # a path's loss is the mean over its workers
         losses.append([sum(worker_losses[p * replicas : (p + 1) * replicas]) / replicas for p in range(num_paths)])
     return SimulationResult(losses=losses, modules=modules, momentum=momentum)
+
+
+def _through_codec(grads: list[Tensors], layout: Layout, codec: GradCodec, feedback: ErrorFeedback) -> list[Tensors]:
+    """A worker's outer gradients as the coordinator receives them: encoded with `codec` and the worker's error
+    feedback, exactly as an island encodes its upload (one payload, tensors named `<level>/<param>`), decoded."""
+    if codec == "fp32":
+        return grads
+    names = [layout.levels[lv].name for lv in range(len(grads))]
+    flat = {f"{names[lv]}/{param}": t for lv, g in enumerate(grads) for param, t in g.items()}
+    decoded = decode_grad(encode_grad(flat, codec, error_feedback=feedback))
+    return [{param: decoded[f"{names[lv]}/{param}"] for param in g} for lv, g in enumerate(grads)]

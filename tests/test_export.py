@@ -17,12 +17,12 @@ from coordinator.app import create_app
 from coordinator.client import CoordinatorClient, RetryPolicy
 from coordinator.settings import Settings
 from dipaco.cli import app
-from dipaco.export import ExportError, export_path, generate, load_exported
+from dipaco.export import ExportError, export_path, generate, load_exported, save_export
 from modules import ModelConfig, build_path, decode, init_state
 from router.corpus import build_local_corpus
 from router.shards import ShardOptions, shard_corpus
 from tests.conftest import ADMIN, JOIN
-from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload, wait_applied
 
 RUN: dict[str, Any] = {"model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2, "n_layers": 2}}
 
@@ -41,15 +41,16 @@ def typed(coordinator: TestClient) -> CoordinatorClient:
     return CoordinatorClient("http://testserver", ADMIN, http=coordinator, retry=RetryPolicy.once())
 
 
-def _train_one_round(client: TestClient) -> dict[str, Any]:
-    """A running 2x2 run with round 0 applied (every path trained by the helpers' fake island)."""
-    run = create_running_run(client, **RUN)
+def _train_one_round(client: TestClient, block: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A running 2x2 run with round 0 applied (every path trained by the helpers' fake island); `block`: the
+    run's block style fields (POST /v1/runs `model.block`, `model.tie_embeddings`)."""
+    run = create_running_run(client, model={**RUN["model"], **(block or {})})
     island, headers = join(client)
     for _ in range(run["num_paths"]):
         body = lease(client, island, headers)
         assert body is not None
         assert upload(client, body, headers, train_lease(client, body, headers)).status_code == 200
-    run = client.get(f"/v1/runs/{run['id']}").json()
+    run = wait_applied(client, run["id"])  # the apply executors apply the round after the last upload's answer
     assert run["current_round"] == 1
     return dict(run)
 
@@ -62,8 +63,16 @@ def _path_weights(client: TestClient, run_id: int, path_index: int) -> dict[str,
     return state
 
 
-def test_export_loads_without_the_coordinator(coordinator: TestClient, tmp_path: Path) -> None:
-    run = _train_one_round(coordinator)
+BLOCKS = pytest.mark.parametrize(
+    "block",
+    [{"block": "gpt2"}, {"block": "llama"}, {"block": "llama", "tie_embeddings": True}],
+    ids=["gpt2", "llama", "llama-tied"],
+)
+
+
+@BLOCKS
+def test_export_loads_without_the_coordinator(coordinator: TestClient, tmp_path: Path, block: dict[str, Any]) -> None:
+    run = _train_one_round(coordinator, block)
     out = tmp_path / "export"
     provenance = export_path(typed(coordinator), run_id=run["id"], path_index=2, out_dir=out)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
@@ -74,6 +83,9 @@ def test_export_loads_without_the_coordinator(coordinator: TestClient, tmp_path:
     model = load_exported(out)
     cfg = ModelConfig.from_dict(json.loads((out / "config.json").read_text()))
     assert model.cfg == cfg == ModelConfig.from_dict(run["config"]["model"])
+    assert cfg.block == block["block"] and cfg.tie_embeddings == block.get("tie_embeddings", False)
+    assert ("lm_head.weight" in model.state_dict()) != cfg.tie_embeddings
+    assert ("pos_emb.weight" in model.state_dict()) == (cfg.block == "gpt2")
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
     with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
@@ -93,8 +105,32 @@ def test_export_errors(coordinator: TestClient, tmp_path: Path) -> None:
         load_exported(tmp_path / "nothing")
 
 
-def test_generate_is_deterministic_per_seed() -> None:
-    cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1)
+def test_a_config_without_block_loads_as_gpt2(tmp_path: Path) -> None:
+    # exports written before `block` existed are gpt2 paths, whatever the default block is now
+    cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1, block="gpt2")
+    save_export(tmp_path, cfg, init_state(cfg, seed=0))
+    legacy = {k: v for k, v in cfg.to_dict().items() if k not in ("block", "tie_embeddings")}
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    assert load_exported(tmp_path).cfg == cfg
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+def test_generate_at_and_past_seq_len(block: str) -> None:
+    # the window slides once the prompt reaches seq_len; positions (learned or rotary) restart at its first token
+    cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1, block=block)  # type: ignore[arg-type]
+    model = build_path(cfg, [init_state(cfg, seed=1)]).eval()
+    for length in (cfg.seq_len - 1, cfg.seq_len, cfg.seq_len + 5):
+        prompt = [(7 * i) % 256 for i in range(length)]
+        got = generate(model, prompt, max_new_tokens=3, temperature=0.0, stop_at_eos=False)
+        ids = list(prompt)
+        for _ in range(3):
+            ids.append(int(model(torch.tensor([ids[-cfg.seq_len :]]))[0, -1].argmax()))
+        assert got == ids[length:], length
+
+
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
+def test_generate_is_deterministic_per_seed(block: str) -> None:
+    cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1, block=block)  # type: ignore[arg-type]
     torch.manual_seed(0)
     model = build_path(cfg, [init_state(cfg, seed=1)])
     prompt = list(b"def main():")

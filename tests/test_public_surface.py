@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastapi.testclient import TestClient
 from typer.main import get_command
 
 from coordinator.app import create_app
@@ -15,7 +16,7 @@ def test_cli_commands() -> None:
     root = get_command(app)
     groups = {name: sorted(getattr(cmd, "commands", {})) for name, cmd in root.commands.items()}  # type: ignore[attr-defined]
     assert groups == {
-        "coordinator": ["serve"],
+        "coordinator": ["apply-worker", "migrate", "serve"],
         "demo": [],
         "eval": [],
         "export": [],
@@ -34,14 +35,18 @@ def test_http_routes(tmp_path: Path) -> None:
         ("GET", "/healthz"),
         ("GET", "/metrics"),
         ("GET", "/v1/contributions"),
+        ("GET", "/v1/events"),
         ("GET", "/v1/islands"),
+        ("GET", "/v1/leases"),
         ("GET", "/v1/modules"),
         ("GET", "/v1/modules/{module_id}"),
         ("GET", "/v1/modules/{module_id}/weights"),
         ("GET", "/v1/paths"),
         ("GET", "/v1/paths/{path_id}"),
+        ("GET", "/v1/run-stats"),
         ("GET", "/v1/runs"),
         ("GET", "/v1/runs/{run_id}"),
+        ("GET", "/v1/runs/{run_id}/history"),
         ("GET", "/v1/runs/{run_id}/rounds"),
         ("GET", "/v1/shards/{shard_id}/tokens"),
         ("POST", "/v1/islands"),
@@ -52,3 +57,10 @@ def test_http_routes(tmp_path: Path) -> None:
         ("POST", "/v1/runs"),
         ("POST", "/v1/runs/{run_id}/shards/{path_index}"),
     ]
+
+
+def test_dashboard_is_served_at_ui(tmp_path: Path) -> None:
+    """The web dashboard is a contract too (ARCHITECTURE §5), served outside the API schema (HTML, not JSON)."""
+    client = TestClient(create_app(Settings(data_dir=tmp_path)))  # no lifespan needed: static files only
+    assert client.get("/ui/").status_code == 200
+    assert client.get("/ui", follow_redirects=False).headers["location"] == "ui/"

@@ -10,7 +10,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Query, Request
+from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
 from sqlalchemy import Engine
@@ -21,6 +22,7 @@ from coordinator.blobstore import BlobStore
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
+from coordinator.schemas import DB_INT_MAX
 from coordinator.services.closing import RoundCloser
 from coordinator.services.dispatch import LeaseDispatcher
 from coordinator.services.uploads import UploadDesk
@@ -96,11 +98,26 @@ async def principal_for(state: AppState, authorization: str | None) -> Principal
     return await run_in_threadpool(authenticate_with, state, authorization)
 
 
-async def get_principal(state: StateDep, authorization: Annotated[str | None, Header()] = None) -> Principal:
+async def get_principal(
+    request: Request, state: StateDep, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
+    """The principal `api.guard.RequestGuard` found before the body was read (every `/v1/` request)."""
+    found = getattr(request.state, "principal", None)
+    if isinstance(found, Principal):
+        return found
     return await principal_for(state, authorization)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+# Request numbers that reach SQL are bounded by what the database stores (422 above, not an overflow inside it).
+Id = Annotated[int, PathParam(ge=0, le=DB_INT_MAX, description="Registry id")]
+"""A path parameter naming a row (`run_id`, `module_id`, ...)."""
+IdFilter = Annotated[int | None, Query(ge=0, le=DB_INT_MAX)]
+"""An optional query filter by id or number (`run_id`, `round`, `version`, `level`)."""
+Offset = Annotated[int, Query(ge=0, le=DB_INT_MAX, description="Rows to skip")]
+Limit = Annotated[int, Query(ge=1, le=1000, description="Rows to return (at most 1000)")]
 
 
 class SessionRoute(APIRoute):

@@ -10,6 +10,8 @@ import asyncio
 import hashlib
 import os
 import queue
+import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Callable
@@ -39,6 +41,33 @@ SPOOL_FLUSH_EVERY = 32 << 20
 """After every this many bytes the spool thread starts writing the file back to disk on a helper thread, without
 waiting for it, so the fsync that makes an accepted upload durable (`BlobStore.put_file`) finds little left to
 do: ~50 ms less per 90 MB upload here (docs/LOG.md, 2026-11-30 upload fast path)."""
+
+
+def process_spool(root: Path) -> Path:
+    """This process's own spool directory under `root` (`<host>-<pid>`), after removing the directories of this
+    host's processes that are gone: what a crashed or killed coordinator left half-received. Workers and
+    replicas that share a data directory each keep to their own, so none removes another's live uploads."""
+    host = socket.gethostname()
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.iterdir():
+        owner, _, pid = leftover.name.rpartition("-")
+        if leftover.is_dir() and owner == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif leftover.is_file() and leftover.suffix == ".upload":  # the flat layout of earlier versions
+            leftover.unlink(missing_ok=True)
+    mine = root / f"{host}-{os.getpid()}"
+    mine.mkdir(exist_ok=True)
+    return mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Spooled:

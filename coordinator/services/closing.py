@@ -1,56 +1,50 @@
-"""The apply trigger: close the rounds that are ready, then tell the rest of this process.
+"""The apply trigger and what follows an apply, for this process.
 
-Rounds are applied by `rounds.apply_ready_rounds` (one transaction each, exactly once). Whoever finds a round
-ready calls `RoundCloser.close_ready`: the upload that completed it, a lease request that found no free path
-while a deadline had passed, the background sweep, and start-up recovery. The closer then counts the rounds,
-hands the next rounds' offers to this process's `OfferBook` and wakes the lease requests waiting for work.
+Whoever finds a round ready calls `RoundCloser.close_ready` (the upload that completed it, a lease request that
+found no free path while a deadline had passed, the background sweep, start-up recovery): the round is closed
+(`rounds.close_round`: one short transaction) and this process's apply executors are woken. When an executor
+of this process commits a step (`RoundCloser.stepped`), the closer counts it and, if that step applied the
+round, hands the next round's offers to the `OfferBook` and wakes the lease requests waiting for work.
+Executors of other processes are found by the sweeper instead (a new round changes the work signature).
 """
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime
 
 from sqlalchemy.orm import Session
 
-from coordinator.blobstore import BlobStore
-from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
-from coordinator.services.leases import Affinity
-from coordinator.services.rounds import apply_ready_rounds
+from coordinator.services.apply import StepDone
+from coordinator.services.rounds import close_ready_rounds
 from coordinator.wakeups import WorkSignal
 
 
 class RoundCloser:
-    """Applies ready rounds for this process (see the module docstring)."""
+    """Closes ready rounds and reacts to the steps this process's executors commit (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        blobs: BlobStore,
-        affinity: Affinity,
-        metrics: Metrics,
-        offers: OfferBook,
-        wakeups: WorkSignal,
-        faults: FaultInjector,
-    ) -> None:
-        self._blobs = blobs
-        self._affinity = affinity
+    def __init__(self, *, metrics: Metrics, offers: OfferBook, wakeups: WorkSignal) -> None:
         self._metrics = metrics
         self._offers = offers
         self._wakeups = wakeups
-        self._faults = faults
+        self.executors_wake = threading.Event()
+        """Set when this process closed a round: its apply executors look for steps at once."""
 
     def close_ready(self, session: Session, run_ids: list[int] | None, *, now: datetime) -> int:
-        """Apply the ready rounds of `run_ids` (None: every running run); returns how many were applied.
+        """Close the ready rounds of `run_ids` (None: every running run); returns how many were closed."""
+        closed = close_ready_rounds(session, now=now, run_ids=run_ids)
+        if closed:
+            self._metrics.rounds_closed.inc(len(closed))
+            self.executors_wake.set()
+        return len(closed)
 
-        Their offers go to the offer book and held lease requests wake (the next rounds are open).
-        """
-        applied = apply_ready_rounds(
-            session, self._blobs, now=now, run_ids=run_ids, faults=self._faults, affinity=self._affinity
-        )
-        if applied:
-            self._metrics.rounds_applied.inc(len(applied))
-            self._offers.put([offer for rnd in applied for offer in rnd.offers], now=now)
+    def stepped(self, done: StepDone, *, now: datetime) -> None:
+        """An executor of this process committed a module step (any thread)."""
+        self._metrics.outliers.labels(action="clipped").inc(done.clipped)
+        self._metrics.outliers.labels(action="refused").inc(done.refused)
+        if done.round_applied:
+            self._metrics.rounds_applied.inc()
+            self._offers.put(done.offers, now=now)
             self._wakeups.notify()
-        return len(applied)

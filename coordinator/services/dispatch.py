@@ -67,6 +67,7 @@ class LeaseDispatcher:
         wakeups: WorkSignal,
         metrics: Metrics,
         affinity: Affinity,
+        max_leases: int = 1,
     ) -> None:
         self._sessions = sessions
         self._clock = clock
@@ -75,7 +76,14 @@ class LeaseDispatcher:
         self._wakeups = wakeups
         self._metrics = metrics
         self._affinity = affinity
+        self._max_leases = max_leases
+        """Leases one island may hold at once (its capabilities may ask for fewer)."""
         self._slots = asyncio.Semaphore(MAX_LEASE_ATTEMPTS)
+
+    @property
+    def affinity(self) -> Affinity:
+        """How paths stay with the island that trained them (offers, reservations)."""
+        return self._affinity
 
     async def next_lease(self, island_id: int, *, wait_s: float) -> Dispatched:
         """Work for the island: an offer made to it when the last round closed, else a free path of a running
@@ -127,18 +135,19 @@ class LeaseDispatcher:
 
     def _free_path(self, session: Session, island_id: int, *, now: datetime) -> _Found:
         """A free path of an open round; when there is none, a round past its deadline may close on quorum now
-        and its successor be leased (one retry)."""
+        (its successor opens once the apply executors have stepped its modules)."""
         found = self._lease_open_rounds(session, island_id, now=now)
         if found.lease is None and found.idle == "waiting" and found.due:
-            if self._closer.close_ready(session, found.due, now=now):
-                found = self._lease_open_rounds(session, island_id, now=now)
+            self._closer.close_ready(session, found.due, now=now)
         return _Found(found.lease, found.idle, found.until)
 
     def _lease_open_rounds(self, session: Session, island_id: int, *, now: datetime) -> _Search:
         rounds = leases.open_rounds(session)
         if not rounds:
             return _Search(None, "no-running-runs")
-        issued, expired = leases.acquire_lease(session, island_id, rounds, now=now, affinity=self._affinity)
+        issued, expired = leases.acquire_lease(
+            session, island_id, rounds, now=now, affinity=self._affinity, max_leases=self._max_leases
+        )
         self._metrics.lease_expiries.inc(expired)
         if issued is not None:
             return _Search(issued, None)
@@ -146,7 +155,7 @@ class LeaseDispatcher:
         return _Search(None, "waiting", until, due=_past_deadline(rounds, now))
 
     def sweep(self) -> None:
-        """The background pass: expire stale leases, apply rounds that are complete or past their deadline with
+        """The background pass: expire stale leases, close rounds that are complete or past their deadline with
         a quorum, and wake waiting requests when the database shows changes made by another process."""
         now = self._clock()
         with self._sessions() as session:
@@ -164,4 +173,4 @@ class _Search(_Found):
 
 
 def _past_deadline(rounds: list[OpenRound], now: datetime) -> list[int]:
-    return [r.run_id for r in rounds if r.deadline is not None and now >= r.deadline]
+    return [r.run_id for r in rounds if r.open and r.deadline is not None and now >= r.deadline]

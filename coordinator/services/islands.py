@@ -12,7 +12,9 @@ from coordinator.auth import IslandTokenCache, hash_token, new_token
 from coordinator.errors import NotFound
 from coordinator.models import Island, Lease, Run
 from coordinator.schemas import IslandJoin
+from coordinator.services.events import add_revocation
 from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus
+from coordinator.timeutil import as_utc
 from coordinator.wakeups import WorkSignal
 
 
@@ -42,27 +44,31 @@ def get_island(session: Session, island_id: int) -> Island:
 def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
     """Record liveness and extend the island's active leases; returns the ids extended.
 
-    A lease already past its expiry is not revived by a late heartbeat (its path may be someone else's now).
+    A lease already past its expiry is not revived by a late heartbeat (its path may be someone else's now), and
+    none is extended past its run's `max_lease_s` from when it was issued.
     """
     session.execute(
         update(Island).where(Island.id == island_id).values(last_heartbeat=now),
         execution_options={"synchronize_session": False},
     )
     rows = session.execute(
-        select(Lease.id, Run.lease_ttl_s)
+        select(Lease.id, Lease.issued_at, Run.lease_ttl_s, Run.max_lease_s)
         .join(Run, Run.id == Lease.run_id)
         .where(Lease.island_id == island_id, Lease.status == LeaseStatus.ACTIVE, Lease.expires_at >= now)
     ).all()
-    by_ttl: dict[float, list[int]] = defaultdict(list)
-    for lease_id, ttl in rows:
-        by_ttl[ttl].append(lease_id)
+    by_expiry: dict[datetime, list[int]] = defaultdict(list)
+    for lease_id, issued_at, ttl, max_lease_s in rows:
+        # never past the run's maximum lifetime: heartbeats alone cannot hold a path forever
+        expires = min(now + timedelta(seconds=ttl), as_utc(issued_at) + timedelta(seconds=max_lease_s))
+        if expires > now:  # one at the end of its lifetime is not listed: the island gives up its work
+            by_expiry[expires].append(lease_id)
     extended: list[int] = []
-    for ttl, ids in by_ttl.items():
+    for expires, ids in by_expiry.items():
         # re-checked in the UPDATE: a lease submitted or released since the SELECT stays as it is
         extended += session.scalars(
             update(Lease)
             .where(Lease.id.in_(ids), Lease.status == LeaseStatus.ACTIVE)
-            .values(expires_at=now + timedelta(seconds=ttl))
+            .values(expires_at=expires)
             .returning(Lease.id),
             execution_options={"synchronize_session": False},
         ).all()
@@ -77,14 +83,19 @@ def leave(
     status: IslandStatus,
     token_cache: IslandTokenCache,
     wakeups: WorkSignal,
+    now: datetime,
 ) -> None:
     """The island leaves (`left`, with its own token) or is revoked by an admin: its token stops working in this
     process at once (other processes: within their auth cache time) and its pending leases go back to the pool,
-    which may be work for islands waiting."""
+    which may be work for islands waiting. A revocation is recorded as an event (at `now`)."""
     island = get_island(session, island_id)
     island.status = status
+    released = 0
     for lease in session.scalars(select(Lease).where(Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES))):
         lease.status = LeaseStatus.RELEASED
+        released += 1
+    if status == IslandStatus.REVOKED:
+        add_revocation(session, island_id=island_id, island_name=island.name, released=released, now=now)
     session.commit()
     token_cache.forget(island_id)
     wakeups.notify()

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from coordinator.errors import Conflict, Forbidden, NotFound
 from coordinator.models import Island, Lease, Level, Module, Path, PathModule, Round, Run, Shard
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
+from coordinator.services.events import ExpiredLease, add_lease_expiries
 from coordinator.services.runs import tokens_per_lease
 from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, RoundStatus, RunStatus
 from coordinator.timeutil import as_utc
@@ -36,7 +37,8 @@ from coordinator.wakeups import WorkSignal
 
 
 def expire_stale_leases(session: Session, *, now: datetime, run_id: int | None = None) -> int:
-    """Mark active or offered leases past their expiry as expired (the caller commits); returns how many.
+    """Mark active or offered leases past their expiry as expired, with an event each (the caller commits);
+    returns how many.
 
     A cheap read first: most calls find nothing to expire and then write nothing (no row locks taken).
     """
@@ -45,8 +47,32 @@ def expire_stale_leases(session: Session, *, now: datetime, run_id: int | None =
         stale.append(Lease.run_id == run_id)
     if session.scalar(select(Lease.id).where(*stale).limit(1)) is None:
         return 0
-    result = session.execute(update(Lease).where(*stale).values(status=LeaseStatus.EXPIRED))
-    return int(result.rowcount or 0)  # type: ignore[attr-defined]
+    # what each was before (offer or lease) is read first; the UPDATE re-checks, and RETURNING names only the
+    # rows this call changed, so a lease expired by two processes at once gets one event
+    offered = set(session.scalars(select(Lease.id).where(*stale, Lease.status == LeaseStatus.OFFERED)))
+    changed = session.execute(
+        update(Lease)
+        .where(*stale)
+        .values(status=LeaseStatus.EXPIRED)
+        .returning(Lease.id, Lease.run_id, Lease.island_id, Lease.round, Lease.path_id)
+    ).all()
+    indices = dict(session.execute(select(Path.id, Path.index).where(Path.id.in_({row[4] for row in changed}))).all())
+    add_lease_expiries(
+        session,
+        (
+            ExpiredLease(
+                lease_id=lease_id,
+                run_id=run,
+                island_id=island,
+                round=round_,
+                path_index=indices[path_id],
+                offered=lease_id in offered,
+            )
+            for lease_id, run, island, round_, path_id in changed
+        ),
+        now=now,
+    )
+    return len(changed)
 
 
 def work_signature(session: Session, *, now: datetime, reserve_s: float) -> tuple[int | None, int, int]:
@@ -85,12 +111,14 @@ class OpenRound:
     number: int
     opened_at: datetime | None
     deadline: datetime | None
+    open: bool = True
+    """False while the round is closing (its modules being stepped): no leases, the next round comes soon."""
 
 
 def open_rounds(session: Session) -> list[OpenRound]:
     """Current rounds of the running runs, oldest run first (one statement)."""
     rows = session.execute(
-        select(Run.id, Run.current_round, Round.opened_at, Round.deadline)
+        select(Run.id, Run.current_round, Round.opened_at, Round.deadline, Round.status)
         .join(Round, and_(Round.run_id == Run.id, Round.number == Run.current_round), isouter=True)
         .where(Run.status == RunStatus.RUNNING)
         .order_by(Run.id)
@@ -101,8 +129,9 @@ def open_rounds(session: Session) -> list[OpenRound]:
             number=number,
             opened_at=as_utc(opened) if opened is not None else None,
             deadline=as_utc(deadline) if deadline is not None else None,
+            open=status != RoundStatus.CLOSING,
         )
-        for run_id, number, opened, deadline in rows
+        for run_id, number, opened, deadline, status in rows
     ]
 
 
@@ -133,21 +162,25 @@ def acquire_lease(
     *,
     now: datetime,
     affinity: Affinity = Affinity(),
+    max_leases: int = 1,
 ) -> tuple[LeasePublic | None, int]:
     """Issue a lease on a free path of one of `rounds` (see `open_rounds`) and commit; (None, 0) when no path is
     free. The int is the number of stale leases marked expired on the way.
 
     Free paths are probed without a lock; only when one exists is the run row locked and the choice made again,
-    so idle islands polling for work never queue behind each other.
+    so idle islands polling for work never queue behind each other. An island holds at most `max_leases` leases
+    at once, fewer when its capabilities say so (`island_capacity`): one more is refused with 409.
     """
     for rnd in rounds:
+        if not rnd.open:
+            continue  # closing: its paths are done, the next round opens once the executors apply it
         probe = _free_path_query(rnd, island_id, now=now, affinity=affinity).with_only_columns(Path.id)
         if session.scalar(probe) is None:
             continue
         run = session.scalar(
             select(Run).where(Run.id == rnd.run_id).with_for_update().execution_options(populate_existing=True)
         )
-        if run is None or run.status != RunStatus.RUNNING or run.current_round != rnd.number:
+        if run is None or run.status != RunStatus.RUNNING or run.current_round != rnd.number or _closing(session, rnd):
             session.rollback()
             continue
         expired = expire_stale_leases(session, now=now, run_id=run.id)
@@ -155,11 +188,38 @@ def acquire_lease(
         if path is None:
             session.rollback()
             continue
+        _check_capacity(session, island_id, now=now, max_leases=max_leases)
         lease = _issue(session, run, path, island_id, now=now)
         session.commit()
         return lease, expired
     session.rollback()
     return None, 0
+
+
+def _closing(session: Session, rnd: OpenRound) -> bool:
+    """Whether the round closed since it was read (under the run lock: a close holds it too)."""
+    status = session.scalar(select(Round.status).where(Round.run_id == rnd.run_id, Round.number == rnd.number))
+    return status != RoundStatus.OPEN
+
+
+def _check_capacity(session: Session, island_id: int, *, now: datetime, max_leases: int) -> None:
+    """Refuse (409, after a rollback) a lease to an island that already holds as many as it may."""
+    island = session.get_one(Island, island_id)
+    claimed = island.capabilities.get("max_leases", 1)
+    allowed = max(1, min(max_leases, claimed if isinstance(claimed, int) else 1))
+    held = session.scalars(
+        select(Lease.id)
+        .where(Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now)
+        .order_by(Lease.id)
+        .limit(allowed)
+    ).all()
+    if len(held) >= allowed:
+        session.rollback()
+        listed = ", ".join(str(lease_id) for lease_id in held)
+        raise Conflict(
+            f"island {island_id} already holds {len(held)} lease(s) ({listed}), as many as it may at once; "
+            "upload or release one first"
+        )
 
 
 def next_change(session: Session, rounds: list[OpenRound], *, now: datetime, affinity: Affinity) -> datetime | None:
@@ -260,6 +320,7 @@ def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list
         token_end=lease.token_end,
         epoch=lease.epoch,
         seed=run.seed * 1_000_003 + lease.round * 1_009 + path.index,
+        codec=run.config.get("codec", "fp32"),
         expires_at=as_utc(lease.expires_at),
         status=LeaseStatus.ACTIVE,
     )

@@ -7,9 +7,11 @@ from typing import Any
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session, selectinload
 
-from coordinator.errors import NotFound
+from coordinator.auth import Principal
+from coordinator.errors import Forbidden, NotFound
 from coordinator.models import (
     Contribution,
+    ContributionGrad,
     Island,
     Lease,
     Module,
@@ -21,6 +23,7 @@ from coordinator.models import (
     Shard,
 )
 from coordinator.schemas import (
+    ContributionModule,
     ContributionSummary,
     IslandCapabilities,
     IslandPublic,
@@ -51,6 +54,7 @@ def run_public(run: Run) -> RunPublic:
         layout=run.layout,
         config=run.config,
         lease_ttl_s=run.lease_ttl_s,
+        max_lease_s=run.max_lease_s,
         quorum=run.quorum,
         round_deadline_s=run.round_deadline_s,
         created_at=as_utc(run.created_at),
@@ -99,12 +103,33 @@ def get_module(session: Session, module_id: int) -> Module:
     return m
 
 
-def module_weights_hash(session: Session, module_id: int, *, version: int | None) -> str:
-    """The blob holding a module's weights: its current version, or `version` from its history."""
-    row = session.execute(select(Module.version, Module.weights_hash).where(Module.id == module_id)).first()
+def require_run_data(session: Session, principal: Principal, run_id: int, *, what: str) -> None:
+    """Weights and training data are the admin's and the run's islands' (an island that holds or held a lease of
+    the run); registry metadata is for any valid token. 403 otherwise, naming the run."""
+    if principal.scope == "admin":
+        return
+    if principal.scope == "island":
+        held = session.scalar(
+            select(Lease.id).where(Lease.island_id == principal.island_id, Lease.run_id == run_id).limit(1)
+        )
+        if held is not None:
+            return
+        raise Forbidden(
+            f"island {principal.island_id} has no lease in run {run_id}: {what} are for the run's islands and the admin"
+        )
+    raise Forbidden(f"{what} of run {run_id} need an admin token or the token of an island of the run")
+
+
+def module_weights_hash(session: Session, module_id: int, *, version: int | None, reader: Principal) -> str:
+    """The blob holding a module's weights: its current version, or `version` from its history (for the admin
+    and the run's islands: `require_run_data`)."""
+    row = session.execute(
+        select(Module.version, Module.weights_hash, Module.run_id).where(Module.id == module_id)
+    ).first()
     if row is None:
         raise NotFound(f"module {module_id} does not exist")
-    current, digest = row
+    current, digest, run_id = row
+    require_run_data(session, reader, run_id, what="module weights")
     if version is None or version == current:
         return str(digest)
     past = session.scalar(
@@ -229,6 +254,21 @@ def list_contributions(
     if round_ is not None:
         q = q.where(Contribution.round == round_)
     count = session.scalar(select(func.count()).select_from(q.order_by(None).subquery())) or 0
+    rows = session.execute(q.offset(offset).limit(limit)).all()
+    parts: dict[int, list[ContributionModule]] = {c.id: [] for c, _, _ in rows}
+    for contribution_id, module_id, norm, scale, note in session.execute(
+        select(
+            ContributionGrad.contribution_id,
+            ContributionGrad.module_id,
+            ContributionGrad.norm,
+            ContributionGrad.scale,
+            ContributionGrad.note,
+        )
+        .join(Module, Module.id == ContributionGrad.module_id)
+        .where(ContributionGrad.contribution_id.in_(list(parts)))
+        .order_by(ContributionGrad.contribution_id, Module.level_index)
+    ):
+        parts[contribution_id].append(ContributionModule(module_id=module_id, norm=norm, scale=scale, note=note))
     out = [
         ContributionSummary(
             id=c.id,
@@ -241,7 +281,10 @@ def list_contributions(
             train_loss=c.train_loss,
             status=c.status,
             created_at=as_utc(c.created_at),
+            modules=parts[c.id],
+            codec=c.codec,
+            upload_bytes=c.upload_bytes,
         )
-        for c, path_index, island_id in session.execute(q.offset(offset).limit(limit))
+        for c, path_index, island_id in rows
     ]
     return out, count

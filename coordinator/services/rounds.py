@@ -1,171 +1,118 @@
-"""Closing a round: each module takes one outer step on the (weighted) mean outer gradient of the paths through it
-(DiPaCo Alg. 1; the rule itself lives in `modules.outer.RoundAccumulator`), and the run moves to the next round.
+"""Closing a round: when every path has contributed, or its deadline has passed with a quorum, the round stops
+taking leases and uploads and is handed to the apply executors (`services/apply.py`), one step per module; when
+the last module's step is committed, `finish_round` moves the run to its next round.
 
 A round closes when every path has contributed, or, once its deadline (run.round_deadline_s after it opened)
 has passed, as soon as at least ceil(quorum * paths) paths have. Past the deadline without quorum the round
 stays open and keeps leasing. Leases still out when a round closes get 409 on upload.
 
-The apply is one transaction that starts by flipping the round from `open` to `applied` with a conditional
-UPDATE: only one caller (thread, process or coordinator replica) can win it, and a crash before commit leaves
-the round open with nothing changed, so the apply is re-done later exactly once. Outer gradients are folded one
-contribution at a time, so memory is O(module size) whatever the number of paths.
+Closing is one short transaction that flips the round from `open` to `closing` with a conditional UPDATE (only
+one caller, thread, process or replica, wins it) and records the module steps; no outer math runs in it, so the
+upload that completes a round answers as fast as any other. A crash before its commit leaves the round open,
+to be closed again; after it, the steps wait in the database for any executor.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
 
-from coordinator.blobstore import BlobStore
-from coordinator.faults import NO_FAULTS, FaultInjector
-from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
+from coordinator.models import Contribution, ContributionGrad, ModuleStep, Round, Run
 from coordinator.services.leases import Affinity, ReadyOffer, offer_next_round
-from coordinator.states import ContributionStatus, RoundStatus, RunStatus
+from coordinator.states import ContributionStatus, RoundStatus, RunStatus, StepStatus
 from coordinator.timeutil import as_utc
-from modules import OuterConfig, RoundAccumulator, contribution_weight, decode, encode
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class AppliedRound:
-    """A round this call applied: which, how many paths contributed, and the offers made for the next one."""
+class ClosedRound:
+    """A round this call closed: which, how many paths contributed, how many module steps wait for executors."""
 
     run_id: int
     number: int
     contributions: int
-    offers: list[ReadyOffer]
+    steps: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Grad:
-    """One module's part of one accepted upload: tensors named `<prefix><param>` in blob `blob_hash`."""
+def close_round(session: Session, run_id: int, *, now: datetime) -> ClosedRound | None:
+    """Close the run's current round if it is ready, and commit; None when it was not (or another caller won).
 
-    blob_hash: str
-    prefix: str
-    tokens: int
-
-
-def apply_round(
-    session: Session,
-    blobs: BlobStore,
-    run_id: int,
-    *,
-    now: datetime,
-    faults: FaultInjector = NO_FAULTS,
-    affinity: Affinity | None = None,
-) -> AppliedRound | None:
-    """Apply the run's current round if it is ready to close, and commit; None when it was not (or another
-    caller won it).
-
-    With `affinity`, the islands that trained the round's paths are offered them for the next round in the same
-    transaction (see `leases.offer_next_round`).
-
-    Readiness is probed without a lock first (most calls come from lease requests and find nothing to do), then
-    checked again with the run row locked before anything is written.
+    Readiness is probed without a lock first (most calls come from lease requests and uploads and find nothing
+    to do), then checked again with the run row locked before anything is written.
     """
     if _ready_count(session, run_id, now) is None:
         session.rollback()
         return None
-    started = time.perf_counter()
-    claimed = _claim_round(session, run_id, now=now)
-    if claimed is None:
+    run = session.scalar(
+        select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
+    )
+    contributed = _ready_count(session, run_id, now) if run is not None else None  # again, under the lock
+    if run is None or contributed is None:
         session.rollback()
         return None
-    run, contributed = claimed
     number = run.current_round
-    _step_modules(session, blobs, run, number, now=now)
-    offers = _open_next_round(session, run, now=now, affinity=affinity)
-    faults.point("apply.before_commit")
+    won = session.execute(
+        update(Round)
+        .where(Round.run_id == run.id, Round.number == number, Round.status == RoundStatus.OPEN)
+        .values(status=RoundStatus.CLOSING, num_contributions=contributed)
+    )
+    if won.rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()
+        return None
+    modules = session.scalars(
+        select(ContributionGrad.module_id)
+        .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
+        .where(
+            Contribution.run_id == run.id,
+            Contribution.round == number,
+            Contribution.status == ContributionStatus.ACCEPTED,
+        )
+        .distinct()
+    ).all()
+    session.add_all(
+        ModuleStep(run_id=run.id, round=number, module_id=module_id, status=StepStatus.PENDING, attempts=0)
+        for module_id in sorted(modules)
+    )
     session.commit()
     log.info(
-        "run %s: round %s applied (%s of %s paths) in %.2f s",
+        "run %s: round %s closed (%s of %s paths), %s module steps",
         run_id,
         number,
         contributed,
         run.num_paths,
-        time.perf_counter() - started,
+        len(modules),
     )
-    return AppliedRound(run_id=run_id, number=number, contributions=contributed, offers=offers)
+    return ClosedRound(run_id=run_id, number=number, contributions=contributed, steps=len(modules))
 
 
-def _claim_round(session: Session, run_id: int, *, now: datetime) -> tuple[Run, int] | None:
-    """Lock the run row, check the round is still ready, and flip it from `open` to `applied`: only one caller
-    (thread, process or replica) changes that row, and a crash before commit leaves the round open. Returns the
-    locked run and the number of contributing paths when this caller won."""
-    run = session.scalar(
-        select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
-    )
-    if run is None or run.status != RunStatus.RUNNING:
-        return None
-    contributed = _ready_count(session, run.id, now)  # again, now that the run row is locked
-    if contributed is None:
-        return None
-    won = session.execute(
+def close_ready_rounds(session: Session, *, now: datetime, run_ids: list[int] | None = None) -> list[ClosedRound]:
+    """Close the rounds of `run_ids` (default: every running run) that are ready: complete, or past their
+    deadline with a quorum (start-up recovery, the sweeper, lease and upload requests)."""
+    if run_ids is None:
+        run_ids = list(session.scalars(select(Run.id).where(Run.status == RunStatus.RUNNING)))
+        session.rollback()
+    closed = (close_round(session, run_id, now=now) for run_id in run_ids)
+    return [c for c in closed if c is not None]
+
+
+def finish_round(
+    session: Session, run: Run, number: int, *, now: datetime, affinity: Affinity | None
+) -> list[ReadyOffer]:
+    """In the transaction that committed a round's last module step (the run row locked): the round is applied,
+    the run moves to its next round (or finishes), and the islands that trained its paths are offered them
+    (`leases.offer_next_round`). Returns the offers made."""
+    session.execute(
         update(Round)
-        .where(Round.run_id == run.id, Round.number == run.current_round, Round.status == RoundStatus.OPEN)
-        .values(status=RoundStatus.APPLIED, applied_at=now, num_contributions=contributed)
+        .where(Round.run_id == run.id, Round.number == number, Round.status == RoundStatus.CLOSING)
+        .values(status=RoundStatus.APPLIED, applied_at=now)
     )
-    return (run, contributed) if won.rowcount == 1 else None  # type: ignore[attr-defined]
-
-
-def _step_modules(session: Session, blobs: BlobStore, run: Run, number: int, *, now: datetime) -> None:
-    """Each module folds the outer gradients of the paths through it (`modules.RoundAccumulator`, one
-    contribution at a time from the memory-mapped upload blobs) and takes its outer step; a new version is
-    written and the old one kept in the history. A module no contributing path uses is left as it is."""
-    outer = OuterConfig(**run.config["outer"])
-    grads = _round_grads(session, run.id, number)
-    verified: set[str] = set()
-    for module in session.scalars(select(Module).where(Module.run_id == run.id).order_by(Module.id)):
-        acc = RoundAccumulator()
-        for grad in grads.get(module.id, []):
-            acc.add(
-                blobs.load_tensors(grad.blob_hash, grad.prefix, verified=verified),
-                contribution_weight(outer, grad.tokens),
-            )
-        if acc.count == 0:
-            continue  # weights, version and momentum stay as they are
-        params = decode(blobs.get_bytes(module.weights_hash))
-        momentum = decode(blobs.get_bytes(module.momentum_hash)) if module.momentum_hash else None
-        new_params, new_momentum = acc.finish(params, momentum, outer)
-        module.weights_hash = blobs.put_bytes(encode(new_params))
-        module.momentum_hash = blobs.put_bytes(encode(new_momentum)) if new_momentum is not None else None
-        module.version += 1
-        module.updated_at = now
-        session.add(
-            ModuleVersion(
-                module_id=module.id,
-                version=module.version,
-                weights_hash=module.weights_hash,
-                momentum_hash=module.momentum_hash,
-                round=number,
-                created_at=now,
-            )
-        )
-
-
-def _round_grads(session: Session, run_id: int, number: int) -> dict[int, list[_Grad]]:
-    """module id -> the accepted outer gradients of the round for it, in path order (the simulator's order)."""
-    grads: dict[int, list[_Grad]] = defaultdict(list)
-    for module_id, blob_hash, prefix, tokens in session.execute(
-        select(ContributionGrad.module_id, ContributionGrad.blob_hash, ContributionGrad.prefix, Contribution.tokens)
-        .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
-        .where(
-            Contribution.run_id == run_id,
-            Contribution.round == number,
-            Contribution.status == ContributionStatus.ACCEPTED,
-        )
-        .order_by(Contribution.path_id)
-    ):
-        grads[module_id].append(_Grad(blob_hash=blob_hash, prefix=prefix, tokens=tokens))
-    return grads
+    return _open_next_round(session, run, now=now, affinity=affinity)
 
 
 def _open_next_round(session: Session, run: Run, *, now: datetime, affinity: Affinity | None) -> list[ReadyOffer]:
@@ -200,10 +147,10 @@ def _ready_count(session: Session, run_id: int, now: datetime) -> int | None:
     num_paths, quorum, deadline, count = row
     complete = count >= num_paths
     past_deadline = deadline is not None and now >= as_utc(deadline)
-    return count if complete or (past_deadline and count >= _quorum(quorum, num_paths)) else None
+    return count if complete or (past_deadline and count >= quorum_paths(quorum, num_paths)) else None
 
 
-def _quorum(quorum: float, num_paths: int) -> int:
+def quorum_paths(quorum: float, num_paths: int) -> int:
     """Contributions needed to close a round past its deadline."""
     return max(1, math.ceil(quorum * num_paths - 1e-9))
 
@@ -213,21 +160,3 @@ def open_round(session: Session, run: Run, number: int, *, now: datetime) -> Rou
     rnd = Round(run_id=run.id, number=number, status=RoundStatus.OPEN, opened_at=now, deadline=deadline)
     session.add(rnd)
     return rnd
-
-
-def apply_ready_rounds(
-    session: Session,
-    blobs: BlobStore,
-    *,
-    now: datetime,
-    run_ids: list[int] | None = None,
-    faults: FaultInjector = NO_FAULTS,
-    affinity: Affinity | None = None,
-) -> list[AppliedRound]:
-    """Apply the rounds of `run_ids` (default: every running run) that are ready: complete, or past their
-    deadline with a quorum (start-up recovery, the sweeper, lease and upload requests)."""
-    if run_ids is None:
-        run_ids = list(session.scalars(select(Run.id).where(Run.status == RunStatus.RUNNING)))
-        session.rollback()
-    applied = (apply_round(session, blobs, run_id, now=now, faults=faults, affinity=affinity) for run_id in run_ids)
-    return [a for a in applied if a is not None]

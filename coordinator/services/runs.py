@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from sqlalchemy import func, select
@@ -14,7 +15,16 @@ from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.models import Level, Module, ModuleVersion, Path, PathModule, Run
 from coordinator.schemas import RunCreate
 from coordinator.states import RunStatus
-from modules import InnerConfig, LayoutError, ModelConfig, encode, flavour, init_level_modules, parse_layout
+from modules import (
+    InnerConfig,
+    LayoutError,
+    ModelConfig,
+    encode,
+    flavour,
+    init_level_modules,
+    level_param_shapes,
+    parse_layout,
+)
 from modules.layout import Layout
 
 
@@ -35,18 +45,37 @@ def run_layout(run: Run) -> Layout:
     return parse_layout(run.layout, n_layers=run.config["model"]["n_layers"])
 
 
+def path_params(cfg: ModelConfig, layout: Layout) -> int:
+    """Parameters of one path (shapes only: nothing is allocated)."""
+    return sum(
+        math.prod(shape)
+        for level in range(len(layout.levels))
+        for shape in level_param_shapes(cfg, layout, level).values()
+    )
+
+
 def tokens_per_lease(run: Run) -> int:
     """Tokens one lease reads: H steps of batch x seq_len, plus one for the last target."""
     cfg = run.config
     return run.inner_steps * cfg["inner"]["batch_size"] * cfg["model"]["seq_len"] + 1
 
 
-def create_run(session: Session, blobs: BlobStore, spec: RunCreate) -> Run:
+def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_params: int) -> Run:
+    """Register the run, its levels, modules (version 0, initialised here), paths; commit.
+
+    A model over `max_path_params` parameters per path is refused before anything is allocated (creating a run
+    initialises one whole path in this process)."""
     cfg = model_config(spec)
     try:
         layout = parse_layout(spec.layout, n_layers=cfg.n_layers)
     except LayoutError as exc:
         raise Invalid(f"layout: {exc}") from exc
+    params = path_params(cfg, layout)
+    if params > max_path_params:
+        raise Invalid(
+            f"model: a path of this model has {params:,} parameters, over the coordinator's budget of "
+            f"{max_path_params:,} (DIPACO_MAX_PATH_PARAMS)"
+        )
     if session.scalar(select(func.count()).select_from(Run).where(Run.name == spec.name)):
         raise Conflict(f"a run named {spec.name!r} already exists")
     inner = InnerConfig(**spec.inner.model_dump(), total_steps=spec.num_rounds * spec.inner_steps)
@@ -54,6 +83,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate) -> Run:
         "model": cfg.to_dict(),
         "inner": dataclasses.asdict(inner),
         "outer": spec.outer.model_dump(),
+        "codec": spec.codec,
     }
     run = Run(
         name=spec.name,
@@ -66,6 +96,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate) -> Run:
         current_round=0,
         seed=spec.seed,
         lease_ttl_s=spec.lease_ttl_s,
+        max_lease_s=spec.max_lease_s,
         quorum=spec.quorum,
         round_deadline_s=spec.round_deadline_s,
     )

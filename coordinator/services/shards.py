@@ -9,9 +9,11 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from coordinator.auth import Principal
 from coordinator.blobstore import BlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
 from coordinator.models import Shard
+from coordinator.services.registry import require_run_data
 from coordinator.services.rounds import open_round
 from coordinator.services.runs import get_run, tokens_per_lease
 from coordinator.states import RunStatus
@@ -71,8 +73,10 @@ def register_shard(
     return shard
 
 
-def get_shard(session: Session, shard_id: int) -> Shard:
+def get_shard(session: Session, shard_id: int, *, reader: Principal) -> Shard:
+    """A shard's row, for the admin and the islands of its run (`registry.require_run_data`)."""
     shard = session.get(Shard, shard_id)
     if shard is None:
         raise NotFound(f"shard {shard_id} does not exist")
+    require_run_data(session, reader, shard.run_id, what="shard tokens")
     return shard

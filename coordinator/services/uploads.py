@@ -13,26 +13,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path as FilePath
-from typing import Any
 
-import numpy as np
-from safetensors import SafetensorError, safe_open
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.blobstore import BlobStore
-from coordinator.errors import Conflict, Forbidden, Invalid
+from coordinator.errors import Conflict, Forbidden, Invalid, ServiceError
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.metrics import Metrics
-from coordinator.models import Contribution, ContributionGrad, Lease, Level, Module, Path, PathModule, Run
-from coordinator.schemas import GRAD_KEY_SEP, ContributionPublic
+from coordinator.models import Contribution, ContributionGrad, Lease, Level, Module, Path, PathModule, Round, Run
+from coordinator.schemas import ContributionPublic
 from coordinator.services.closing import RoundCloser
+from coordinator.services.events import record_refused_upload
 from coordinator.services.leases import get_lease
+from coordinator.services.payloads import Payload, validated_payload
 from coordinator.services.runs import run_layout, run_model_config
-from coordinator.states import ContributionStatus, LeaseStatus, RunStatus
-from modules import CodecError, Layout, ModelConfig, level_param_shapes
-from modules.codec import read_header
+from coordinator.states import ContributionStatus, LeaseStatus, RoundStatus, RunStatus
+from modules import Layout, ModelConfig, OuterConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +66,9 @@ class _Checked:
     layout: Layout
     levels: dict[int, tuple[int, str]]
     """level index -> (module id, level name) of the lease's path."""
+    outer: OuterConfig
+    codec: str
+    """The run's codec: uploads must come in it."""
 
 
 class UploadDesk:
@@ -92,10 +93,17 @@ class UploadDesk:
         self._faults = faults
 
     def accept(self, upload: Upload) -> ContributionPublic:
-        """Accept (or refuse, with a `ServiceError`) one upload; runs on a worker thread."""
+        """Accept (or refuse, with a `ServiceError`, recorded as an event) one upload; runs on a worker thread."""
         now = self._clock()
         with self._sessions() as session:
-            submitted = submit_outer_gradients(session, self._blobs, upload, now=now, faults=self._faults)
+            try:
+                submitted = submit_outer_gradients(session, self._blobs, upload, now=now, faults=self._faults)
+            except ServiceError as exc:
+                session.rollback()
+                record_refused_upload(
+                    self._sessions, lease_id=upload.lease_id, island_id=upload.island_id, error=exc, now=now
+                )
+                raise
             contribution = submitted.contribution
             self._metrics.contributions.labels(result="accepted" if submitted.created else "duplicate").inc()
             applied = submitted.created and self._closer.close_ready(session, [contribution.run_id], now=now) > 0
@@ -131,8 +139,9 @@ def submit_outer_gradients(
     if isinstance(checked, Submitted):
         return checked
     session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
-    prefixes = _validated_payload(upload.body, checked.cfg, checked.layout, checked.levels)
-    return _record(session, blobs, upload, checked, prefixes, now=now, faults=faults)
+    payload = validated_payload(upload.body, checked.cfg, checked.layout, checked.levels, codec=checked.codec)
+    _check_norms(payload, checked)
+    return _record(session, blobs, upload, checked, payload, now=now, faults=faults)
 
 
 def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
@@ -149,13 +158,30 @@ def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
     if not math.isfinite(upload.train_loss):
         raise Invalid(f"train loss must be finite, got {upload.train_loss}")
     run = session.get_one(Run, lease.run_id)
-    _check_lease(run, lease, upload.round, prior)
+    _check_lease(run, lease, upload.round, prior, _round_status(session, lease))
     return _Checked(
         run_id=lease.run_id,
         cfg=run_model_config(run),
         layout=run_layout(run),
         levels=_path_levels(session, lease),
+        outer=OuterConfig(**run.config["outer"]),
+        codec=run.config.get("codec", "fp32"),
     )
+
+
+def _check_norms(payload: Payload, checked: _Checked) -> None:
+    """With `outer.outliers = "refuse"`, a module's outer gradient over the absolute bound is refused now (the
+    island hears why); clipping, and the bound relative to the round's median, happen at the apply."""
+    bound = checked.outer.max_norm
+    if checked.outer.outliers != "refuse" or bound is None:
+        return
+    for level_index, norm in payload.norms.items():
+        if norm > bound:
+            name = checked.levels[level_index][1]
+            raise Invalid(
+                f"outer gradient of level {name!r} has L2 norm {norm:.4g}, over the run's bound "
+                f"outer.max_norm = {bound:.4g} (outer.outliers = refuse)"
+            )
 
 
 def _record(
@@ -163,7 +189,7 @@ def _record(
     blobs: BlobStore,
     upload: Upload,
     checked: _Checked,
-    prefixes: dict[int, str],
+    payload: Payload,
     *,
     now: datetime,
     faults: FaultInjector,
@@ -179,7 +205,7 @@ def _record(
     if prior is not None and prior.lease_id == upload.lease_id:
         session.rollback()
         return Submitted(prior, False, _path_index(session, lease))
-    _check_lease(run, lease, upload.round, prior)
+    _check_lease(run, lease, upload.round, prior, _round_status(session, lease))
     contribution = Contribution(
         lease_id=lease.id,
         run_id=run.id,
@@ -187,6 +213,8 @@ def _record(
         path_id=lease.path_id,
         tokens=upload.tokens,
         train_loss=upload.train_loss,
+        codec=payload.codec,
+        upload_bytes=upload.body.stat().st_size,
         status=ContributionStatus.ACCEPTED,
         created_at=now,
     )
@@ -203,8 +231,10 @@ def _record(
             module_id=checked.levels[level_index][0],
             blob_hash=upload.body_sha256,
             prefix=prefix,
+            norm=payload.norms[level_index],
+            scale=1.0,
         )
-        for level_index, prefix in prefixes.items()
+        for level_index, prefix in payload.prefixes.items()
     )
     lease.status = LeaseStatus.SUBMITTED
     path_index = session.execute(
@@ -236,15 +266,26 @@ def _path_index(session: Session, lease: Lease) -> int:
     return session.get_one(Path, lease.path_id).index
 
 
-def _check_lease(run: Run, lease: Lease, round_header: int | None, prior: Contribution | None) -> None:
-    """The lease may still deliver: its round is the run's current one, it was not released, its path has no
-    contribution for the round yet (`prior`, from another lease)."""
+def _round_status(session: Session, lease: Lease) -> RoundStatus | None:
+    return session.scalar(select(Round.status).where(Round.run_id == lease.run_id, Round.number == lease.round))
+
+
+def _check_lease(
+    run: Run, lease: Lease, round_header: int | None, prior: Contribution | None, round_status: RoundStatus | None
+) -> None:
+    """The lease may still deliver: its round is the run's current one and still open, it was not released, its
+    path has no contribution for the round yet (`prior`, from another lease)."""
     if round_header is not None and round_header != lease.round:
         raise Conflict(f"upload is for round {round_header}, lease {lease.id} was issued for round {lease.round}")
     if run.status != RunStatus.RUNNING or run.current_round != lease.round:
         raise Conflict(
             f"lease {lease.id} was issued for round {lease.round}, the run is at round {run.current_round}"
             + (" and finished" if run.status == RunStatus.FINISHED else "")
+        )
+    if round_status != RoundStatus.OPEN:
+        raise Conflict(
+            f"lease {lease.id} was issued for round {lease.round}, which closed (enough paths contributed) and is "
+            "being applied"
         )
     if lease.status == LeaseStatus.RELEASED:
         raise Conflict(f"lease {lease.id} was released; ask for a new lease")
@@ -267,86 +308,3 @@ def _path_levels(session: Session, lease: Lease) -> dict[int, tuple[int, str]]:
         if base != version:
             raise Conflict(f"lease {lease.id} trained module {module_id} version {base}, the module is at {version}")
     return {level_index: (module_id, name) for module_id, level_index, _, name in rows}
-
-
-def _validated_payload(
-    body: FilePath, cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]]
-) -> dict[int, str]:
-    """Check the safetensors file against the path's modules; returns level index -> tensor-name prefix.
-
-    The header is checked first (names, dtypes, shapes, offsets within the file), then the values are checked
-    to be finite in place, in the memory-mapped file: no tensor is copied.
-    """
-    expected: dict[str, tuple[int, tuple[int, ...]]] = {}
-    prefixes: dict[int, str] = {}
-    for level_index, (_, level_name) in levels.items():
-        prefixes[level_index] = f"{level_name}{GRAD_KEY_SEP}"
-        for param, shape in level_param_shapes(cfg, layout, level_index).items():
-            expected[f"{prefixes[level_index]}{param}"] = (level_index, shape)
-    size = body.stat().st_size
-    with body.open("rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        head += f.read(min(n, size - 8)) if len(head) == 8 else b""
-    try:
-        header = read_header(head)
-    except CodecError as exc:
-        raise Invalid(f"outer-gradient payload: {exc}") from exc
-    unknown = sorted(set(header) - set(expected))
-    if unknown:
-        raise Invalid(
-            f"unknown tensor {unknown[0]!r} in outer-gradient payload; expected names like {next(iter(expected))!r}"
-        )
-    missing = sorted(set(expected) - set(header))
-    if missing:
-        raise Invalid(f"outer-gradient payload is missing {len(missing)} tensor(s), e.g. {missing[0]!r}")
-    data_end = 0
-    for name, info in header.items():
-        raw_shape = info.get("shape") if isinstance(info, dict) else None
-        if not isinstance(raw_shape, list) or not all(isinstance(d, int) for d in raw_shape):
-            raise Invalid(f"tensor {name!r} has no valid shape in the safetensors header")
-        dtype, shape = info.get("dtype"), tuple(raw_shape)
-        if dtype != "F32":
-            raise Invalid(f"tensor {name!r} has dtype {dtype}, expected F32")
-        if shape != expected[name][1]:
-            raise Invalid(f"tensor {name!r} has shape {list(shape)}, expected {list(expected[name][1])}")
-        offsets = info.get("data_offsets")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] - offsets[0] == 4 * math.prod(shape)):
-            raise Invalid(f"tensor {name!r} has invalid data_offsets {offsets!r}")
-        data_end = max(data_end, int(offsets[1]))
-    if 8 + n + data_end != size:
-        raise Invalid(
-            f"outer-gradient payload: invalid safetensors payload: {size} bytes, "
-            f"the header describes {8 + n + data_end}"
-        )
-    try:
-        with safe_open(str(body), framework="pt"):
-            pass  # safetensors' own checks of the layout (offsets contiguous, covering the data, no overlap)
-    except SafetensorError as exc:
-        raise Invalid(f"outer-gradient payload: invalid safetensors payload: {exc}") from exc
-    bad_name, bad = _first_non_finite(body, 8 + n, {name: header[name]["data_offsets"] for name in header})
-    if bad:
-        raise Invalid(f"tensor {bad_name!r} has {bad} non-finite value(s) (NaN/Inf)")
-    return prefixes
-
-
-def _first_non_finite(body: FilePath, data_start: int, offsets: dict[str, Any]) -> tuple[str, int]:
-    """(name, count) of the first tensor, in header order, with NaN/Inf values; ("", 0) when all are finite.
-
-    All tensors are F32 and their offsets were checked, so the data section is read as float32 views of the
-    memory-mapped file (no copies). A NaN/Inf anywhere makes the sum non-finite: one sum over the whole section
-    clears the common case; only then is each tensor summed, and a non-finite one counted exactly (a sum that
-    overflowed with finite values only is not an error).
-    """
-    data = np.memmap(body, dtype=np.uint8, mode="r")  # unmapped when the last view goes, on return
-    section = data[data_start:]
-    with np.errstate(over="ignore", invalid="ignore"):  # overflowing sums are expected here, not warnings
-        if section.size % 4 == 0 and np.isfinite(section.view("<f4").sum()):
-            return "", 0
-        for name, (start, end) in offsets.items():
-            values = data[data_start + start : data_start + end].view("<f4")
-            if not np.isfinite(values.sum()):
-                bad = values.size - int(np.count_nonzero(np.isfinite(values)))
-                if bad:
-                    return name, bad
-    return "", 0

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import uvicorn
 from fastapi.testclient import TestClient
 
+from coordinator.app import create_app
+from coordinator.settings import Settings
 from modules import ModelConfig, build_path, decode, encode, parse_layout
 from modules.outer import pseudo_gradient
-from tests.conftest import ADMIN, JOIN
+from tests.conftest import ADMIN, JOIN, FakeClock
+
+T = TypeVar("T")
 
 A = {"Authorization": f"Bearer {ADMIN}"}
 J = {"Authorization": f"Bearer {JOIN}"}
@@ -40,15 +50,17 @@ def create_running_run(client: TestClient, *, num_tokens: int = 400, **overrides
     return run
 
 
-def join(client: TestClient, name: str = "island") -> tuple[int, dict[str, str]]:
-    r = client.post("/v1/islands", json={"name": name}, headers=J)
+def join(client: TestClient, name: str = "island", *, max_leases: int = 1) -> tuple[int, dict[str, str]]:
+    """A new island; `max_leases` > 1 lets it hold that many leases at once (one by default)."""
+    r = client.post("/v1/islands", json={"name": name, "capabilities": {"max_leases": max_leases}}, headers=J)
     assert r.status_code == 201, r.text
     body = r.json()
     return body["island_id"], {"Authorization": f"Bearer {body['token']}"}
 
 
-def lease(client: TestClient, island_id: int, headers: dict[str, str]) -> dict[str, Any] | None:
-    r = client.post(f"/v1/islands/{island_id}/lease", headers=headers)
+def lease(client: TestClient, island_id: int, headers: dict[str, str], *, wait: float = 0) -> dict[str, Any] | None:
+    """A lease, or None when there is no work; `wait` > 0 long-polls (e.g. across the apply of a round)."""
+    r = client.post(f"/v1/islands/{island_id}/lease", params={"wait": wait} if wait else None, headers=headers)
     if r.status_code == 204:
         return None
     assert r.status_code == 200, r.text
@@ -103,3 +115,45 @@ def upload(
         "Content-Type": "application/octet-stream",
     }
     return client.post(f"/v1/leases/{lease_body['lease_id']}/outer-gradients", content=body, headers=h)
+
+
+@contextmanager
+def served(settings: Settings, clock: FakeClock) -> Iterator[str]:
+    """The coordinator app under uvicorn (httptools, uvloop when installed) on a thread; its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, clock=clock), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def wait_applied(client: TestClient, run_id: int, *, rounds: int = 1, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Wait until `rounds` rounds of the run are applied: a round that closes is applied by the apply executors
+    in the background, after the upload that closed it has been answered. Returns the run."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run: dict[str, Any] = client.get(f"/v1/runs/{run_id}", headers=A).json()
+        if run["current_round"] >= rounds or run["status"] == "finished":
+            return run
+        assert time.monotonic() < deadline, f"run {run_id}: {run['current_round']} of {rounds} round(s) applied"
+        time.sleep(0.02)
+
+
+def eventually(read: Callable[[], T], ok: Callable[[T], bool], *, timeout_s: float = 10.0) -> T:
+    """`read()` until `ok` holds of its result (things an apply executor does after its commit, e.g. counters)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if ok(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)

@@ -78,7 +78,8 @@ def test_bad_payloads_are_refused_and_change_nothing(client: TestClient, setting
     cases: list[tuple[str, Any, dict[str, str], int, str]] = [
         ("truncated", full[: len(full) // 2], h, 422, "outer-gradient payload: invalid safetensors payload"),
         ("garbage header", b"\x05\x00\x00\x00\x00\x00\x00\x00nope!", h, 422, "safetensors header is not valid JSON"),
-        ("header too long", struct.pack("<Q", 10**9) + b"{}", h, 422, "safetensors header claims"),
+        ("header too long", struct.pack("<Q", 10**9) + b"{}", h, 422, "header of 1000000000 bytes is over the"),
+        ("header short", struct.pack("<Q", 100) + b"{}", h, 422, "safetensors header claims 100 bytes"),
         (
             "shape not a list",
             _reshaped_header(full, name, 3),

@@ -17,7 +17,7 @@ from coordinator.blobstore import BlobError, BlobStore, LocalBlobStore, S3BlobSt
 from coordinator.settings import Settings
 from island.distributed import free_port
 from tests.conftest import ADMIN, JOIN, FakeClock
-from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload, wait_applied
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +115,7 @@ def test_a_round_on_s3(tmp_path: Path, s3_env: str, clock: FakeClock) -> None:
             lb = lease(client, island_id, h)
             assert lb is not None
             assert upload(client, lb, h, train_lease(client, lb, h)).status_code == 200
+        wait_applied(client, lb["run_id"])
         modules = client.get("/v1/modules", headers=A).json()["data"]
         assert all(m["version"] == 1 for m in modules)
         weights = client.get(f"/v1/modules/{modules[0]['id']}/weights", headers=A)

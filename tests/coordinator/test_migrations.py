@@ -19,7 +19,9 @@ TABLES = {
     "leases",
     "contributions",
     "contribution_grads",
+    "module_steps",
     "rounds",
+    "events",
 }
 
 

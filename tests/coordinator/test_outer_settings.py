@@ -8,7 +8,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from modules import decode
-from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload, wait_applied
 
 
 def test_average_with_token_weights_makes_each_module_the_token_weighted_mean(client: TestClient) -> None:
@@ -23,6 +23,9 @@ def test_average_with_token_weights_makes_each_module_the_token_weighted_mean(cl
         "method": "average",
         "weighting": "tokens",
         "sqrt_rescale": True,
+        "max_norm": 1e4,
+        "max_norm_ratio": 10.0,
+        "outliers": "clip",
     }
     modules = {m["id"]: m for m in client.get(f"/v1/modules?run_id={run['id']}", headers=A).json()["data"]}
     base = {mid: decode(client.get(f"/v1/modules/{mid}/weights", headers=A).content) for mid in modules}
@@ -40,6 +43,7 @@ def test_average_with_token_weights_makes_each_module_the_token_weighted_mean(cl
             part = {k[len(prefix) :]: v for k, v in grads.items() if k.startswith(prefix)}
             uploads[m["module_id"]].append((tokens, part))
     assert r.json()["round_applied"] is True
+    wait_applied(client, run["id"])
     for module in client.get(f"/v1/modules?run_id={run['id']}", headers=A).json()["data"]:
         mid = module["id"]
         assert module["version"] == 1

@@ -14,7 +14,18 @@ from sqlalchemy import select, update
 from coordinator.models import Lease
 from modules import OuterConfig, decode, nesterov_step
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import TINY_RUN, A, J, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import (
+    TINY_RUN,
+    A,
+    J,
+    create_running_run,
+    eventually,
+    join,
+    lease,
+    train_lease,
+    upload,
+    wait_applied,
+)
 
 
 def test_create_run_registers_modules_paths_and_round_zero(client: TestClient) -> None:
@@ -97,7 +108,8 @@ def test_full_round_applies_nesterov_on_the_mean_outer_gradient(client: TestClie
             prefix = m["level_name"] + "/"
             uploads[m["module_id"]].append({k[len(prefix) :]: v for k, v in grads.items() if k.startswith(prefix)})
     assert sorted(seen_paths) == [0, 1, 2, 3]
-    assert r.json()["round_applied"] is True
+    assert r.json()["round_applied"] is True  # this upload completed the round; the executors apply it
+    wait_applied(client, run["id"])
     after = {m["id"]: m for m in client.get("/v1/modules", headers=A).json()["data"]}
     assert all(m["version"] == 1 for m in after.values())
     outer = OuterConfig()
@@ -133,6 +145,7 @@ def test_duplicate_upload_is_a_noop_and_closed_round_gets_409(client: TestClient
         lb = lease(client, island_id, h)
         assert lb is not None
         assert upload(client, lb, h, train_lease(client, lb, h)).status_code == 200
+    wait_applied(client, slow["run_id"])
     late = upload(client, slow, oh, grads)
     assert late.status_code == 409
     assert late.json()["detail"] == f"lease {slow['lease_id']} was issued for round 0, the run is at round 1"
@@ -140,8 +153,8 @@ def test_duplicate_upload_is_a_noop_and_closed_round_gets_409(client: TestClient
 
 def test_expired_lease_returns_path_to_pool_and_range_is_reissued(client: TestClient, clock: FakeClock) -> None:
     create_running_run(client, lease_ttl_s=30)
-    a_id, ah = join(client, "a")
-    b_id, bh = join(client, "b")
+    a_id, ah = join(client, "a", max_leases=4)
+    b_id, bh = join(client, "b", max_leases=4)
     leases_a = [lease(client, a_id, ah) for _ in range(4)]
     assert all(lb is not None for lb in leases_a)
     assert lease(client, b_id, bh) is None  # every path is taken
@@ -163,8 +176,8 @@ def test_expired_lease_returns_path_to_pool_and_range_is_reissued(client: TestCl
 
 def test_release_frees_the_path_at_once(client: TestClient) -> None:
     create_running_run(client)
-    a_id, ah = join(client, "a")
-    b_id, bh = join(client, "b")
+    a_id, ah = join(client, "a", max_leases=4)
+    b_id, bh = join(client, "b", max_leases=4)
     taken = [lease(client, a_id, ah) for _ in range(4)]
     assert lease(client, b_id, bh) is None
     first = taken[0]
@@ -193,7 +206,7 @@ def test_data_cursor_advances_and_wraps_into_a_new_epoch(client: TestClient) -> 
     island_id, h = join(client)
     ranges = []
     for _ in range(8):
-        lb = lease(client, island_id, h)
+        lb = lease(client, island_id, h, wait=10)  # across the apply of round 0
         assert lb is not None
         if lb["path_index"] == 0:
             ranges.append((lb["epoch"], lb["token_start"], lb["token_end"]))
@@ -208,7 +221,7 @@ def test_run_finishes_and_islands_are_told(client: TestClient) -> None:
         lb = lease(client, island_id, h)
         assert lb is not None
         upload(client, lb, h, train_lease(client, lb, h))
-    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["status"] == "finished"
+    assert wait_applied(client, run["id"])["status"] == "finished"
     r = client.post(f"/v1/islands/{island_id}/lease", headers=h)
     assert r.status_code == 204 and r.headers["X-Dipaco-Idle"] == "no-running-runs"
 
@@ -237,7 +250,8 @@ def test_round_closes_by_deadline_and_quorum_with_one_path_missing(client: TestC
     assert lease(client, island_id, h) is None  # before the deadline: wait for all paths
     assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 0
     clock.advance(2)
-    nxt = lease(client, island_id, h)  # the lease request closes the round: 3 of 4 >= quorum 0.75
+    assert lease(client, island_id, h) is None  # this lease request closes the round: 3 of 4 >= quorum 0.75
+    nxt = lease(client, island_id, h, wait=10)  # and round 1 opens once the executors applied round 0
     assert nxt is not None and nxt["round"] == 1
     rounds = client.get(f"/v1/runs/{run['id']}/rounds", headers=A).json()["data"]
     assert [(r["number"], r["status"], r["contributions"]) for r in rounds] == [(0, "applied", 3), (1, "open", 0)]
@@ -260,12 +274,12 @@ def test_round_past_deadline_without_quorum_stays_open(client: TestClient, clock
     lb = lease(client, island_id, h)
     assert lb is not None and lb["round"] == 0  # 2 of 4 < quorum: keep leasing the same round
     assert upload(client, lb, h, train_lease(client, lb, h)).json()["round_applied"] is True
-    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
+    assert wait_applied(client, run["id"])["current_round"] == 1
 
 
 def test_metrics_count_rounds_contributions_and_rejections(client: TestClient) -> None:
     create_running_run(client, num_rounds=1)
-    island_id, h = join(client)
+    island_id, h = join(client, max_leases=4)
     for _ in range(4):
         lb = lease(client, island_id, h)
         assert lb is not None
@@ -273,21 +287,21 @@ def test_metrics_count_rounds_contributions_and_rejections(client: TestClient) -
         upload(client, lb, h, grads)
     upload(client, lb, h, grads)  # duplicate
     upload(client, lb, h, b"junk")  # duplicate check comes first: still a duplicate
-    text = client.get("/metrics").text
-    assert "dipaco_rounds_applied_total 1.0" in text
+    text = eventually(lambda: client.get("/metrics").text, lambda t: "dipaco_rounds_applied_total 1.0" in t)
+    assert "dipaco_rounds_closed_total 1.0" in text
     assert 'dipaco_contributions_total{result="accepted"} 4.0' in text
     assert 'dipaco_contributions_total{result="duplicate"} 2.0' in text
     assert "dipaco_leases_issued_total 4.0" in text
     assert "dipaco_active_islands 1.0" in text
     r = client.post(f"/v1/leases/{lb['lease_id']}/outer-gradients", content=b"x", headers={"X-Dipaco-Tokens": "1"})
-    assert r.status_code == 401
-    assert 'dipaco_contributions_total{result="unauthorized"} 1.0' in client.get("/metrics").text
+    assert r.status_code == 401  # answered at the door, before the body is read
+    assert 'dipaco_refused_requests_total{reason="unauthorized"} 1.0' in client.get("/metrics").text
 
 
 def test_paths_stay_with_their_island_across_rounds(client: TestClient, clock: FakeClock) -> None:
     create_running_run(client)
-    a_id, ah = join(client, "a")
-    b_id, bh = join(client, "b")
+    a_id, ah = join(client, "a", max_leases=4)
+    b_id, bh = join(client, "b", max_leases=4)
     owner = {}
     for island_id, h in [(a_id, ah), (b_id, bh), (a_id, ah), (b_id, bh)]:
         lb = lease(client, island_id, h)
@@ -295,6 +309,7 @@ def test_paths_stay_with_their_island_across_rounds(client: TestClient, clock: F
         owner[lb["path_index"]] = island_id
         upload(client, lb, h, train_lease(client, lb, h))
     assert owner == {0: a_id, 1: b_id, 2: a_id, 3: b_id}
+    wait_applied(client, lb["run_id"])
     # round 1: a is fast; it gets its own two paths back, then b's paths are kept for b ...
     got = [lease(client, a_id, ah) for _ in range(2)]
     assert [g["path_index"] for g in got if g] == [0, 2]
@@ -310,13 +325,14 @@ def test_paths_stay_with_their_island_across_rounds(client: TestClient, clock: F
 
 
 def _two_islands_train_round_zero(client: TestClient) -> tuple[tuple[int, dict[str, str]], tuple[int, dict[str, str]]]:
-    a_id, ah = join(client, "a")
-    b_id, bh = join(client, "b")
+    a_id, ah = join(client, "a", max_leases=4)
+    b_id, bh = join(client, "b", max_leases=4)
     for island_id, h in [(a_id, ah), (b_id, bh), (a_id, ah), (b_id, bh)]:
         lb = lease(client, island_id, h)
         assert lb is not None
         applied = upload(client, lb, h, train_lease(client, lb, h)).json()["round_applied"]
     assert applied is True  # a trained paths 0 and 2, b paths 1 and 3
+    wait_applied(client, lb["run_id"])
     return (a_id, ah), (b_id, bh)
 
 
@@ -352,8 +368,8 @@ def test_an_island_that_leaves_gives_its_offer_back(client: TestClient, clock: F
 
 def test_long_polled_lease_request_wakes_when_a_path_is_given_back(client: TestClient) -> None:
     create_running_run(client)
-    a_id, ah = join(client, "a")
-    b_id, bh = join(client, "b")
+    a_id, ah = join(client, "a", max_leases=4)
+    b_id, bh = join(client, "b", max_leases=4)
     held = [lease(client, a_id, ah) for _ in range(4)]  # a holds every path
     assert all(held)
     idle = client.post(f"/v1/islands/{b_id}/lease?wait=0.3", headers=bh)
@@ -432,7 +448,7 @@ def test_an_offer_the_database_no_longer_holds_is_not_handed_out_from_memory(cli
 
 def test_replies_carry_the_coordinators_own_time_without_the_hold(client: TestClient) -> None:
     create_running_run(client)
-    a_id, ah = join(client, "a")
+    a_id, ah = join(client, "a", max_leases=4)
     beat = client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah)
     assert re.fullmatch(r"app;dur=\d+\.\d", beat.headers["Server-Timing"])
     held = [lease(client, a_id, ah) for _ in range(4)]  # every path taken: the next request is held

@@ -10,45 +10,22 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from coordinator.api import spool as spooling
-from coordinator.app import create_app
 from coordinator.schemas import GRAD_KEY_SEP
 from coordinator.settings import Settings
 from modules import ModelConfig, encode, level_param_shapes, parse_layout
 from tests.conftest import ADMIN, FakeClock
-from tests.coordinator.helpers import TINY_RUN, A, J
+from tests.coordinator.helpers import TINY_RUN, A, J, served
 
 RUN = {**TINY_RUN, "model": {**TINY_RUN["model"], "d_model": 192}}
 """A path's outer gradients are ~3.6 MB here: several spool buffers and a partial last one."""
-
-
-@contextmanager
-def served(settings: Settings, clock: FakeClock) -> Iterator[str]:
-    """The coordinator app under uvicorn (httptools, uvloop when installed) on a thread; its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, clock=clock), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 def spool_threads() -> list[threading.Thread]:
@@ -60,7 +37,12 @@ def assert_nothing_left(settings: Settings) -> None:
     for t in spool_threads():
         t.join(timeout=10)
     assert spool_threads() == []
-    assert list((settings.data_dir / "spool").iterdir()) == []
+    assert spooled_files(settings.data_dir / "spool") == []
+
+
+def spooled_files(spool: Path) -> list[Path]:
+    """Upload files under the spool root (each process spools in a directory of its own there)."""
+    return [p for p in spool.rglob("*") if p.is_file()]
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -152,9 +134,9 @@ def test_client_gone_mid_body_leaves_no_spool_file(settings: Settings, clock: Fa
                 + f"Host: {host}\r\nAuthorization: Bearer {ADMIN}\r\nContent-Length: 4000000\r\n\r\n".encode()
             )
             s.sendall(b"\x01\x00" * 750_000)
-            wait_for(lambda: any(spool.iterdir()), "the server to start spooling")
+            wait_for(lambda: bool(spooled_files(spool)), "the server to start spooling")
         # closed after 1.5 of 4 MB: the server sees the disconnect, stops the spool thread, removes the file
-        wait_for(lambda: not any(spool.iterdir()), "the spool file to be removed")
+        wait_for(lambda: not spooled_files(spool), "the spool file to be removed")
         assert_nothing_left(settings)
 
 

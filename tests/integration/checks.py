@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from coordinator.blobstore import LocalBlobStore
 from coordinator.db import make_engine, make_sessionmaker
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
 from coordinator.states import RoundStatus, RunStatus
-from modules import OuterConfig, RoundAccumulator, contribution_weight, decode
+from modules import OuterConfig, RoundAccumulator, contribution_weight, decode, grad_norm, outlier_scales
 
 
 def verify_run(database_url: str, blob_dir: Path, run_id: int) -> None:
@@ -36,21 +38,7 @@ def verify_run(database_url: str, blob_dir: Path, run_id: int) -> None:
                 assert [h.round for h in history] == [None, *range(run.num_rounds)]
                 assert history[-1].weights_hash == module.weights_hash and module.version == run.num_rounds
                 for rnd in range(run.num_rounds):
-                    contributions = session.execute(
-                        select(ContributionGrad.blob_hash, ContributionGrad.prefix, Contribution.tokens)
-                        .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
-                        .where(ContributionGrad.module_id == module.id, Contribution.round == rnd)
-                        .order_by(Contribution.path_id)
-                    ).all()
-                    assert contributions, (module.id, rnd)
-                    acc = RoundAccumulator()
-                    for digest, prefix, tokens in contributions:
-                        tensors = decode(blobs.get_bytes(digest))
-                        grad = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-                        acc.add(grad, contribution_weight(outer, tokens))
-                    want, want_m = acc.finish(
-                        _weights(blobs, history[rnd].weights_hash), _momentum(blobs, history[rnd]), outer
-                    )
+                    want, want_m = _recompute(session, blobs, outer, module.id, rnd, history[rnd])
                     got = _weights(blobs, history[rnd + 1].weights_hash)
                     got_m = _momentum(blobs, history[rnd + 1])
                     assert (got_m is None) == (want_m is None)
@@ -68,3 +56,28 @@ def _weights(blobs: LocalBlobStore, digest: str) -> dict[str, torch.Tensor]:
 
 def _momentum(blobs: LocalBlobStore, version: ModuleVersion) -> dict[str, torch.Tensor] | None:
     return decode(blobs.get_bytes(version.momentum_hash)) if version.momentum_hash else None
+
+
+def _recompute(
+    session: Session, blobs: LocalBlobStore, outer: OuterConfig, module_id: int, rnd: int, base: ModuleVersion
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """The module's step of round `rnd`, from the stored uploads: norms measured again, outlier factors as
+    `outlier_scales` gives them (a part refused for a non-finite step must say so), folded in path order."""
+    parts = session.execute(
+        select(ContributionGrad, Contribution.tokens)
+        .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
+        .where(ContributionGrad.module_id == module_id, Contribution.round == rnd)
+        .order_by(Contribution.path_id)
+    ).all()
+    assert parts, (module_id, rnd)
+    grads = [blobs.load_tensors(row.blob_hash, row.prefix, verified=set()) for row, _ in parts]  # any codec
+    norms = [grad_norm(g) for g in grads]
+    for (row, _), norm in zip(parts, norms, strict=True):
+        assert row.norm == pytest.approx(norm, rel=1e-4), (module_id, rnd)
+    for (row, _), scale in zip(parts, outlier_scales(norms, outer), strict=True):
+        non_finite_step = row.scale == 0 and (row.note or "").startswith("refused: the outer step")
+        assert non_finite_step or row.scale == pytest.approx(scale, rel=1e-4), (module_id, rnd, row.note)
+    acc = RoundAccumulator()
+    for (row, tokens), grad in zip(parts, grads, strict=True):
+        acc.add(grad, contribution_weight(outer, tokens), scale=row.scale)
+    return acc.finish(_weights(blobs, base.weights_hash), _momentum(blobs, base), outer)

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,13 +31,15 @@ class Cluster:
     tmp: Path
     database_url: str
     port: int = field(default_factory=free_port)
+    host: str = "127.0.0.1"
+    """Address the coordinator binds and the islands reach (tests/chaos: one on an emulated WAN)."""
     coordinator: subprocess.Popen[bytes] | None = None
     islands: list[subprocess.Popen[bytes]] = field(default_factory=list)
     replicas: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def data_dir(self) -> Path:
@@ -59,6 +61,8 @@ class Cluster:
                 "dipaco",
                 "coordinator",
                 "serve",
+                "--host",
+                self.host,
                 "--port",
                 str(port or self.port),
                 "--data-dir",
@@ -98,10 +102,14 @@ class Cluster:
                 time.sleep(0.2)
         raise TimeoutError(f"coordinator not healthy after {timeout_s} s\n{self.log('coordinator')}")
 
-    def start_island(self, name: str, *extra: str, url: str | None = None) -> subprocess.Popen[bytes]:
+    def start_island(
+        self, name: str, *extra: str, url: str | None = None, wrap: Sequence[str] = ()
+    ) -> subprocess.Popen[bytes]:
+        """An island process; `wrap` prefixes its command (e.g. `ip netns exec NS` to run it on another host)."""
         log = (self.tmp / f"{name}.log").open("ab")
         proc = subprocess.Popen(
             [
+                *wrap,
                 sys.executable,
                 "-m",
                 "dipaco",

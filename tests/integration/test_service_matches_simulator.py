@@ -1,7 +1,9 @@
 """The service equals the in-process reference simulator (modules.simulate) for the same seeds: two island
 processes train a tiny 2x2 DiPaCo over HTTP for 3 rounds; the per-round train loss of every path and the final
 weights of every module match the simulator's (the service does what Algorithm 1 does), with the default outer
-optimizer and with a non-default one (token weighting, √n rescale, other lr and momentum)."""
+optimizer for both block styles (gpt2, llama) and with a non-default one (token weighting, √n rescale, other lr
+and momentum) for the default block, whose islands also upload int8 with error feedback (the simulator runs the
+same codec). Three cases: each costs ~40 s."""
 
 from __future__ import annotations
 
@@ -36,16 +38,22 @@ def database_url(tmp_path: Any) -> str:
 
 
 @pytest.mark.parametrize(
-    "outer",
-    [{}, {"lr": 0.5, "momentum": 0.6, "weighting": "tokens", "sqrt_rescale": True}],
-    ids=["default-outer", "tokens-sqrt-outer"],
+    ("outer", "block", "codec"),
+    [
+        ({}, {"block": "gpt2"}, "fp32"),
+        ({}, {"block": "llama"}, "fp32"),
+        # the flavour's block; int8 uploads with the islands' error feedback, decoded by the apply executors
+        ({"lr": 0.5, "momentum": 0.6, "weighting": "tokens", "sqrt_rescale": True}, {}, "int8"),
+    ],
+    ids=["default-outer-gpt2", "default-outer-llama", "tokens-sqrt-outer-int8"],
 )
-def test_service_equals_simulator(cluster: Cluster, outer: dict[str, Any]) -> None:
+def test_service_equals_simulator(cluster: Cluster, outer: dict[str, Any], block: dict[str, str], codec: str) -> None:
     cluster.start_coordinator()
     with cluster.admin() as client:
         islands = [cluster.start_island(f"island-{i}") for i in range(2)]
         wait_islands_joined(client, 2)
-        run_id = create_run(client, {**SPEC, "outer": outer}, num_tokens=600)
+        spec = {**SPEC, "model": {**SPEC["model"], **block}, "outer": outer, "codec": codec}
+        run_id = create_run(client, spec, num_tokens=600)
         run = wait_finished(cluster, client, run_id)
         paths = client.get("/v1/paths", params={"run_id": run_id}).json()["data"]
         tokens = [
@@ -66,6 +74,7 @@ def test_service_equals_simulator(cluster: Cluster, outer: dict[str, Any]) -> No
 
     assert run["config"]["outer"] == {**OuterSpec().model_dump(), **outer}  # type: ignore[index]
     cfg = ModelConfig.from_dict(run["config"]["model"])  # type: ignore[index]
+    assert cfg.block == block.get("block", ModelConfig().block)
     ref = simulate(
         cfg,
         parse_layout(SPEC["layout"], n_layers=cfg.n_layers),
@@ -75,6 +84,7 @@ def test_service_equals_simulator(cluster: Cluster, outer: dict[str, Any]) -> No
         rounds=SPEC["num_rounds"],
         seed=0,
         tokens=tokens,
+        codec=run["config"]["codec"],  # type: ignore[index]
     )
     assert len(losses) == 3 * 4
     for (rnd, p), loss in losses.items():

@@ -175,7 +175,7 @@ def test_upload_streams_is_retry_safe_and_409_means_lease_lost(coordinator: Coor
     # a retry of an accepted upload is answered 200 again (idempotent on the server)
     assert client.upload(lease, payload, tokens=123, train_loss=2.5).id == contribution.id
 
-    second = client.lease()  # round 1 (the one-path round 0 closed with the upload)
+    second = client.lease(wait_s=10)  # round 1, once the executors applied round 0 (closed by the upload)
     assert second is not None and second.round == 1
     client.release(second.lease_id)
     with pytest.raises(LeaseLost) as info:

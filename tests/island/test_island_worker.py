@@ -41,8 +41,9 @@ from modules import (
     pseudo_gradient,
     train_steps,
 )
+from modules.codec import read_metadata
 from tests.conftest import JOIN
-from tests.coordinator.helpers import A, upload
+from tests.coordinator.helpers import A, upload, wait_applied
 from tests.coordinator.helpers import join as join_as
 from tests.coordinator.helpers import lease as lease_for
 from tests.island.faulty_transport import Before, Corrupt, Drop, FaultyTransport, LoseReply, Reply
@@ -188,7 +189,7 @@ def test_uploads_equal_a_replay_and_the_rounds_apply_them(
     assert [e.status for e in transport.to("leave")] == [204] and transport.to("release") == []
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("round 0 path 0: loss") and "tok/s, upload" in m for m in messages)
-    assert any(m.startswith("round 1 path 0") and m.endswith("(round applied)") for m in messages)
+    assert any(m.startswith("round 1 path 0") and m.endswith("(completed the round)") for m in messages)
     assert "round 1 path 0" in out.getvalue()  # the progress bar was drawn
 
 
@@ -232,6 +233,7 @@ def test_409_on_upload_discards_the_lease_and_asks_for_new_work(
         }
         r = upload(app, body, headers, zeros)
         assert r.status_code == 200 and r.json()["round_applied"], r.text
+        wait_applied(app, body["run_id"])  # the executors apply the round it completed
         assert app.delete(f"/v1/islands/{rival}", headers=headers).status_code == 204
 
     transport.inject("upload", Before(rival_closes_the_round))
@@ -244,7 +246,9 @@ def test_409_on_upload_discards_the_lease_and_asks_for_new_work(
     lost, retrained = island.results
     assert (lost.lease_id, lost.round, lost.status) == (1, 0, "lost")
     assert (retrained.round, retrained.status) == (1, "uploaded")
-    assert [e.status for e in transport.to("lease")] == [200, 200, 204]  # lost, trained, then "no-running-runs"
+    statuses = [e.status for e in transport.to("lease")]
+    assert statuses[:2] == [200, 200] and set(statuses[2:]) == {204}  # lost, trained, then no work ...
+    assert transport.to("lease")[-1].headers["x-dipaco-idle"] == "no-running-runs"  # ... once the run finished
     paths = [f"/v1/leases/{n}/outer-gradients" for n in (1, retrained.lease_id)]
     assert [e.path for e in transport.to("upload")] == paths
     assert any("lease 1 lost" in r.getMessage() and "discarding its work" in r.getMessage() for r in caplog.records)
@@ -504,3 +508,27 @@ def test_config_is_checked() -> None:
         IslandConfig(coordinator="http://testserver", token="t", max_rounds=0)
     with pytest.raises(ValueError, match="optimizer_cache"):
         IslandConfig(coordinator="http://testserver", token="t", optimizer_cache=0)
+
+
+def test_int8_run_uploads_quantized_gradients_with_error_feedback(coordinator: Coordinator) -> None:
+    """With the run's codec int8, the island's uploads are int8 payloads (about a quarter of fp32) and the
+    residual the quantisation lost is kept per path, once the work is accepted, for the next lease."""
+    run = coordinator.create_run(layout=ONE_PATH, num_rounds=2, codec="int8")
+    island, transport = coordinator.island()
+    assert island.run() == EXIT_OK
+    leases = accepted(island, transport)
+    assert [lease.codec for lease in leases] == ["int8", "int8"]
+    contributions = coordinator.get("/v1/contributions", run_id=run["id"])["data"]
+    first = replay(coordinator, leases[:1], capacity=1)[leases[0].lease_id]
+    params = sum(t.numel() for t in first.values())
+    assert [c["codec"] for c in contributions] == ["int8", "int8"]
+    assert all(0 < c["upload_bytes"] < 0.3 * 4 * params for c in contributions)
+    for upload_exchange in transport.to("upload"):
+        assert read_metadata(upload_exchange.body)["dipaco.codec"] == "int8"
+    key = (run["id"], leases[0].path_id)
+    residual = island._residuals.get(key)
+    assert residual is not None and set(residual) == set(
+        replay(coordinator, leases[:1], capacity=1)[leases[0].lease_id]
+    )
+    # the residual is what the second upload lost: compensated gradient minus what was sent
+    assert all(float(t.abs().max()) > 0 for t in residual.values())

@@ -9,6 +9,7 @@ import torch
 
 from modules import (
     InnerConfig,
+    NonFiniteStep,
     OuterConfig,
     RoundAccumulator,
     accumulate,
@@ -19,10 +20,12 @@ from modules import (
     decode,
     encode,
     flavour,
+    grad_norm,
     init_level_modules,
     make_optimizer,
     nesterov_step,
     outer_update,
+    outlier_scales,
     parse_layout,
     pseudo_gradient,
     rescale,
@@ -266,3 +269,41 @@ def test_contribution_weight_follows_the_weighting() -> None:
     assert contribution_weight(OuterConfig(weighting="tokens"), 0) == 0.0
     with pytest.raises(ValueError, match="outer weighting must be 'uniform' or 'tokens', got 'shards'"):
         OuterConfig(weighting="shards")  # type: ignore[arg-type]
+
+
+def test_outliers_are_clipped_to_the_bound_or_refused() -> None:
+    cfg = OuterConfig(max_norm=10.0, max_norm_ratio=4.0)
+    # absolute bound (2 contributions: no median), a non-finite norm is always refused
+    assert outlier_scales([3.0, 20.0], cfg) == [1.0, 0.5]
+    assert outlier_scales([3.0, math.inf], cfg) == [1.0, 0.0]
+    # relative bound: 4 x the median (2.0) = 8 < 10
+    assert outlier_scales([1.0, 2.0, 2.0, 16.0], cfg) == [1.0, 1.0, 1.0, 0.5]
+    refuse = OuterConfig(max_norm=10.0, max_norm_ratio=4.0, outliers="refuse")
+    assert outlier_scales([1.0, 2.0, 2.0, 16.0], refuse) == [1.0, 1.0, 1.0, 0.0]
+    # no bounds at all, and a zero median leaves only the absolute bound
+    assert outlier_scales([1.0, 1e30], OuterConfig(max_norm=None, max_norm_ratio=None)) == [1.0, 1.0]
+    assert outlier_scales([0.0, 0.0, 5.0], cfg) == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="outer max_norm_ratio must be finite and > 1"):
+        OuterConfig(max_norm_ratio=0.5)
+
+
+def test_a_huge_finite_upload_is_clipped_and_the_round_stays_finite() -> None:
+    """Every value 3.4e38 (finite in float32) used to be averaged in as is and left the module non-finite after
+    the Nesterov step; clipped to max_norm it moves the module by a bounded step."""
+    params, good = grad_set(0), grad_set(1)
+    huge = {n: torch.full_like(t, 3.4e38) for n, t in good.items()}
+    assert math.isinf(grad_norm(huge)) is False and grad_norm(huge) > 1e38
+    cfg = OuterConfig()
+    new, mom = outer_update(params, [good, huge], [1.0, 1.0], None, cfg)
+    assert mom is not None
+    assert all(bool(torch.isfinite(t).all()) for t in (*new.values(), *mom.values()))
+    step = math.sqrt(sum(float(((new[n] - params[n]).double() ** 2).sum()) for n in params))
+    assert step < 0.7 * 1.9 * (cfg.max_norm or 0) + 10  # lr x (1 + mu) x the clipped mean, at most
+
+
+def test_a_step_that_would_be_non_finite_raises() -> None:
+    params = {"w": torch.full((2,), 3.0e38)}
+    acc = RoundAccumulator()
+    acc.add({"w": torch.full((2,), -3.0e38)}, 1.0)
+    with pytest.raises(NonFiniteStep, match="non-finite"):
+        acc.finish(params, None, OuterConfig(max_norm=None))

@@ -1,3 +1,3 @@
-from coordinator.api.routes import health, islands, leases, registry, runs
+from coordinator.api.routes import dashboard, health, islands, leases, registry, runs, ui
 
-__all__ = ["health", "islands", "leases", "registry", "runs"]
+__all__ = ["dashboard", "health", "islands", "leases", "registry", "runs", "ui"]

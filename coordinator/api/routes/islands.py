@@ -6,7 +6,8 @@ import time
 
 from fastapi import APIRouter, Query, Request, Response
 
-from coordinator.api.deps import PrincipalDep, SessionDep, SessionRoute, StateDep, principal_for
+from coordinator.api.answers import V1_ERRORS, errors
+from coordinator.api.deps import Id, Limit, Offset, PrincipalDep, SessionDep, SessionRoute, StateDep
 from coordinator.auth import require, require_island
 from coordinator.schemas import (
     H_HELD,
@@ -21,7 +22,7 @@ from coordinator.schemas import (
 from coordinator.services import islands, registry
 from coordinator.states import IslandStatus
 
-router = APIRouter(prefix="/v1", tags=["islands"], route_class=SessionRoute)
+router = APIRouter(prefix="/v1", tags=["islands"], route_class=SessionRoute, responses=V1_ERRORS)
 
 IDLE_RETRY_AFTER_S = 2
 MAX_LEASE_WAIT_S = 60.0
@@ -33,22 +34,22 @@ def list_islands(
     session: SessionDep,
     _: PrincipalDep,
     status: IslandStatus | None = None,
-    offset: int = Query(0, ge=0),
-    limit: int = Query(100, ge=1, le=1000),
+    offset: Offset = 0,
+    limit: Limit = 100,
 ) -> ListOf[IslandPublic]:
     data, count = registry.list_islands(session, status=status, offset=offset, limit=limit)
     return ListOf[IslandPublic](data=data, count=count)
 
 
-@router.post("/islands", response_model=IslandJoined, status_code=201)
+@router.post("/islands", response_model=IslandJoined, status_code=201, responses=errors(400, 403))
 def join(spec: IslandJoin, session: SessionDep, state: StateDep, principal: PrincipalDep) -> IslandJoined:
     require(principal, "join", "admin")
     island, token = islands.join(session, spec, now=state.clock())
     return IslandJoined(island_id=island.id, token=token, heartbeat_interval_s=state.settings.heartbeat_interval_s)
 
 
-@router.post("/islands/{island_id}/heartbeat", response_model=HeartbeatReply)
-def heartbeat(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> HeartbeatReply:
+@router.post("/islands/{island_id}/heartbeat", response_model=HeartbeatReply, responses=errors(403, 404))
+def heartbeat(island_id: Id, session: SessionDep, state: StateDep, principal: PrincipalDep) -> HeartbeatReply:
     require_island(principal, island_id)
     active = islands.heartbeat(session, island_id, now=state.clock())
     return HeartbeatReply(
@@ -56,15 +57,17 @@ def heartbeat(island_id: int, session: SessionDep, state: StateDep, principal: P
     )
 
 
-@router.delete("/islands/{island_id}", status_code=204)
-def leave(island_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> Response:
+@router.delete("/islands/{island_id}", status_code=204, responses=errors(403, 404))
+def leave(island_id: Id, session: SessionDep, state: StateDep, principal: PrincipalDep) -> Response:
     """An island leaves with its own token; an admin token revokes the island."""
     if principal.scope == "admin":
         status = IslandStatus.REVOKED
     else:
         require_island(principal, island_id)
         status = IslandStatus.LEFT
-    islands.leave(session, island_id, status=status, token_cache=state.island_tokens, wakeups=state.wakeups)
+    islands.leave(
+        session, island_id, status=status, token_cache=state.island_tokens, wakeups=state.wakeups, now=state.clock()
+    )
     return Response(status_code=204)
 
 
@@ -73,12 +76,14 @@ def leave(island_id: int, session: SessionDep, state: StateDep, principal: Princ
     response_model=LeasePublic,
     responses={
         204: {"description": f"No work now; header {H_IDLE} says why, Retry-After when to ask again"},
+        **errors(403, 409),
     },
 )
 async def lease(
-    island_id: int,
+    island_id: Id,
     request: Request,
     state: StateDep,
+    principal: PrincipalDep,
     wait: float = Query(
         0,
         ge=0,
@@ -93,7 +98,6 @@ async def lease(
     running the answer comes at once (an island may want to leave then).
     """
     arrived = time.monotonic()
-    principal = await principal_for(state, request.headers.get("authorization"))
     require_island(principal, island_id)
     answer = await state.dispatcher.next_lease(island_id, wait_s=wait)
     # how long it was held with nothing to do, and how long the coordinator worked on it apart from that

@@ -7,15 +7,16 @@ import math
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
 
-from coordinator.api.deps import PrincipalDep, SessionDep, SessionRoute, StateDep, principal_for
+from coordinator.api.answers import V1_ERRORS, errors
+from coordinator.api.deps import Id, PrincipalDep, SessionDep, SessionRoute, StateDep
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.errors import Invalid
-from coordinator.schemas import H_ROUND, H_TOKENS, H_TRAIN_LOSS, ContributionPublic, LeaseReleased
+from coordinator.schemas import DB_INT_MAX, H_ROUND, H_TOKENS, H_TRAIN_LOSS, ContributionPublic, LeaseReleased
 from coordinator.services import leases
 from coordinator.services.uploads import Upload
 
-router = APIRouter(prefix="/v1", tags=["leases"], route_class=SessionRoute)
+router = APIRouter(prefix="/v1", tags=["leases"], route_class=SessionRoute, responses=V1_ERRORS)
 
 
 def _parse_float(name: str, value: str | None) -> float:
@@ -36,23 +37,26 @@ def _parse_int(name: str, value: str | None, *, required: bool) -> int | None:
             raise Invalid(f"header {name} is required")
         return None
     try:
-        return int(value)
+        parsed = int(value)
     except ValueError as exc:
         raise Invalid(f"header {name} must be an integer, got {value!r}") from exc
+    if not 0 <= parsed <= DB_INT_MAX:
+        raise Invalid(f"header {name} must be in [0, {DB_INT_MAX}], got {value!r}")
+    return parsed
 
 
-@router.post("/leases/{lease_id}/outer-gradients", response_model=ContributionPublic)
+@router.post("/leases/{lease_id}/outer-gradients", response_model=ContributionPublic, responses=errors(403, 404, 409))
 async def upload_outer_gradients(
-    lease_id: int,
+    lease_id: Id,
     request: Request,
     state: StateDep,
+    principal: PrincipalDep,
     x_dipaco_round: str | None = Header(None),
     x_dipaco_tokens: str | None = Header(None),
     x_dipaco_train_loss: str | None = Header(None),
 ) -> ContributionPublic:
     """Body: safetensors, one F32 tensor per parameter of the path, named `<level>/<param>` (streamed)."""
     with state.metrics.counting_refused_uploads():
-        principal = await principal_for(state, request.headers.get("authorization"))
         require(principal, "island")
         assert principal.island_id is not None  # island scope
         round_header = _parse_int(H_ROUND, x_dipaco_round, required=False)
@@ -76,8 +80,8 @@ async def upload_outer_gradients(
             body.path.unlink(missing_ok=True)  # accepted uploads were moved into the blob store already
 
 
-@router.post("/leases/{lease_id}/release", response_model=LeaseReleased)
-def release(lease_id: int, session: SessionDep, state: StateDep, principal: PrincipalDep) -> LeaseReleased:
+@router.post("/leases/{lease_id}/release", response_model=LeaseReleased, responses=errors(403, 404, 409))
+def release(lease_id: Id, session: SessionDep, state: StateDep, principal: PrincipalDep) -> LeaseReleased:
     """Give a lease back at once (e.g. on Ctrl-C) so its path goes back to the pool without waiting the TTL."""
     require(principal, "island")
     assert principal.island_id is not None  # island scope

@@ -4,10 +4,12 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from coordinator.api.deps import PrincipalDep, SessionDep, SessionRoute, StateDep, principal_for
+from coordinator.api.answers import V1_ERRORS, errors
+from coordinator.api.deps import Id, IdFilter, Limit, Offset, PrincipalDep, SessionDep, SessionRoute, StateDep
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.schemas import (
+    DB_INT_MAX,
     H_CONTENT_HASH,
     ContributionSummary,
     ListOf,
@@ -19,7 +21,7 @@ from coordinator.schemas import (
 from coordinator.services import registry, runs, shards
 from coordinator.states import RunStatus
 
-router = APIRouter(prefix="/v1", tags=["runs"], route_class=SessionRoute)
+router = APIRouter(prefix="/v1", tags=["runs"], route_class=SessionRoute, responses=V1_ERRORS)
 
 
 @router.get("/runs", response_model=ListOf[RunPublic])
@@ -27,26 +29,28 @@ def list_runs(
     session: SessionDep,
     _: PrincipalDep,
     status: RunStatus | None = None,
-    offset: int = Query(0, ge=0),
-    limit: int = Query(100, ge=1, le=1000),
+    offset: Offset = 0,
+    limit: Limit = 100,
 ) -> ListOf[RunPublic]:
     data, count = registry.list_runs(session, status=status, offset=offset, limit=limit)
     return ListOf[RunPublic](data=data, count=count)
 
 
-@router.post("/runs", response_model=RunPublic, status_code=201)
+@router.post("/runs", response_model=RunPublic, status_code=201, responses=errors(400, 403, 409))
 def create_run(spec: RunCreate, session: SessionDep, state: StateDep, principal: PrincipalDep) -> RunPublic:
     require(principal, "admin")
-    return registry.run_public(runs.create_run(session, state.blobs, spec))
+    return registry.run_public(
+        runs.create_run(session, state.blobs, spec, max_path_params=state.settings.max_path_params)
+    )
 
 
-@router.get("/runs/{run_id}", response_model=RunPublic)
-def get_run(run_id: int, session: SessionDep, _: PrincipalDep) -> RunPublic:
+@router.get("/runs/{run_id}", response_model=RunPublic, responses=errors(404))
+def get_run(run_id: Id, session: SessionDep, _: PrincipalDep) -> RunPublic:
     return registry.run_public(runs.get_run(session, run_id))
 
 
-@router.get("/runs/{run_id}/rounds", response_model=ListOf[RoundPublic])
-def list_rounds(run_id: int, session: SessionDep, _: PrincipalDep) -> ListOf[RoundPublic]:
+@router.get("/runs/{run_id}/rounds", response_model=ListOf[RoundPublic], responses=errors(404))
+def list_rounds(run_id: Id, session: SessionDep, _: PrincipalDep) -> ListOf[RoundPublic]:
     data = registry.list_rounds(session, run_id)
     return ListOf[RoundPublic](data=data, count=len(data))
 
@@ -55,26 +59,31 @@ def list_rounds(run_id: int, session: SessionDep, _: PrincipalDep) -> ListOf[Rou
 def list_contributions(
     session: SessionDep,
     _: PrincipalDep,
-    run_id: int | None = None,
-    round: int | None = Query(None, ge=0),
-    offset: int = Query(0, ge=0),
-    limit: int = Query(100, ge=1, le=1000),
+    run_id: IdFilter = None,
+    round: IdFilter = None,
+    offset: Offset = 0,
+    limit: Limit = 100,
 ) -> ListOf[ContributionSummary]:
     """Accepted outer-gradient uploads: per path and round, with tokens and train loss."""
     data, count = registry.list_contributions(session, run_id=run_id, round_=round, offset=offset, limit=limit)
     return ListOf[ContributionSummary](data=data, count=count)
 
 
-@router.post("/runs/{run_id}/shards/{path_index}", response_model=ShardPublic, status_code=201)
+@router.post(
+    "/runs/{run_id}/shards/{path_index}",
+    response_model=ShardPublic,
+    status_code=201,
+    responses=errors(403, 404, 409),
+)
 async def register_shard(
-    run_id: int,
-    path_index: int,
+    run_id: Id,
+    path_index: Id,
     request: Request,
     state: StateDep,
-    num_documents: int = Query(ge=1),
+    principal: PrincipalDep,
+    num_documents: int = Query(ge=1, le=DB_INT_MAX),
 ) -> ShardPublic:
     """Body: the path's shard as raw little-endian uint16 token ids (streamed)."""
-    principal = await principal_for(state, request.headers.get("authorization"))
     require(principal, "admin")
     spooled = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir)
     body = spooled.path
@@ -107,9 +116,19 @@ async def register_shard(
         body.unlink(missing_ok=True)
 
 
-@router.get("/shards/{shard_id}/tokens", responses={200: {"content": {"application/octet-stream": {}}}})
-def shard_tokens(shard_id: int, request: Request, session: SessionDep, state: StateDep, _: PrincipalDep) -> Response:
-    shard = shards.get_shard(session, shard_id)
+@router.get(
+    "/shards/{shard_id}/tokens",
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        304: {"description": "Not modified (If-None-Match)"},
+        **errors(403, 404),
+    },
+)
+def shard_tokens(
+    shard_id: Id, request: Request, session: SessionDep, state: StateDep, principal: PrincipalDep
+) -> Response:
+    """A path's shard (raw little-endian uint16 tokens), streamed; for the admin and the islands of its run."""
+    shard = shards.get_shard(session, shard_id, reader=principal)
     etag = f'"{shard.tokens_hash}"'
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"ETag": etag})

@@ -1,0 +1,418 @@
+"""Outer-apply executors (DiPaCo §3's sharded outer optimisation): each takes one module step of a closing round
+at a time, folds the outer gradients of the paths through that module into its new version, and commits it
+exactly once; the executor that commits a round's last step applies the round (`rounds.finish_round`).
+
+Any number of executors work on one database: threads of `dipaco coordinator serve` (`--apply-workers N`) and
+`dipaco coordinator apply-worker` processes on any machine that reaches the database and the blob store. They
+split a round's modules between them by claiming steps (`claim_step`).
+
+Exactly once, whatever dies when:
+  * a step is claimed (`running`, `claimed_by`, `claimed_at`) in a short transaction; its math runs outside any
+    transaction (nothing is locked while it runs, and on SQLite no writer waits for it); its result is written to
+    the blob store (content-addressed: a crash leaves at most unreferenced blobs) and then committed in one
+    transaction that flips the step to `done` only if it is still this executor's claim;
+  * a claim whose executor is gone is taken over: at once when that process ran on this host and has exited
+    (`release_dead_claims`), else once the claim is older than `claim_s`. An executor that was only slow and
+    lost its claim finds its commit refused and drops its result;
+  * the module's version is checked against the one the step read, so a module is never stepped twice for one
+    round, and the round is applied in the same transaction as its last step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from coordinator.blobstore import BlobStore
+from coordinator.faults import NO_FAULTS, FaultInjector
+from coordinator.models import Contribution, ContributionGrad, Module, ModuleStep, ModuleVersion, Run
+from coordinator.services.leases import Affinity, ReadyOffer
+from coordinator.services.rounds import finish_round
+from coordinator.states import ContributionStatus, StepStatus
+from modules import (
+    NonFiniteStep,
+    OuterConfig,
+    RoundAccumulator,
+    contribution_weight,
+    decode,
+    encode,
+    outlier_bound,
+    outlier_scales,
+)
+from modules.outer import Tensors
+
+log = logging.getLogger(__name__)
+
+CLAIM_S = 300.0
+"""A claim older than this is taken over by another executor (a process on another host that may be gone)."""
+
+
+def executor_name(index: int = 0) -> str:
+    """`<host>-<pid>-<index>`: whose claim a step is, and whether its process still runs on this host."""
+    return f"{socket.gethostname()}-{os.getpid()}-{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """A module step this executor committed."""
+
+    run_id: int
+    round: int
+    module_id: int
+    clipped: int
+    """Parts of uploads folded in scaled down to the round's bound (outliers)."""
+    refused: int
+    """Parts left out: over the bound with `outer.outliers = refuse`, or making the step non-finite."""
+    round_applied: bool
+    """This was the round's last step: the round is applied and the run at its next round (or finished)."""
+    offers: list[ReadyOffer] = field(default_factory=list)
+    """Offers of the next round's paths, made when the round was applied."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Claimed:
+    step_id: int
+    run_id: int
+    round: int
+    module_id: int
+
+
+def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S) -> _Claimed | None:
+    """Claim the oldest step that is pending, or running under a claim older than `claim_s`; commit."""
+    stale = now - timedelta(seconds=claim_s)
+    candidates = (
+        select(ModuleStep.id, ModuleStep.status)
+        .where(
+            (ModuleStep.status == StepStatus.PENDING)
+            | ((ModuleStep.status == StepStatus.RUNNING) & (ModuleStep.claimed_at < stale))
+        )
+        .order_by(ModuleStep.id)
+        .limit(8)
+        .with_for_update(skip_locked=True)
+    )
+    for step_id, status in session.execute(candidates).all():
+        taken = session.execute(
+            update(ModuleStep)
+            .where(ModuleStep.id == step_id, ModuleStep.status == status)
+            .values(status=StepStatus.RUNNING, claimed_by=name, claimed_at=now, attempts=ModuleStep.attempts + 1)
+            .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id),
+            execution_options={"synchronize_session": False},
+        ).first()
+        if taken is not None:
+            session.commit()
+            return _Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2])
+    session.rollback()
+    return None
+
+
+def release_dead_claims(session: Session) -> int:
+    """Put back to `pending` the steps claimed by executors of this host whose process has exited; commit."""
+    host = socket.gethostname()
+    dead = [
+        claimed
+        for claimed in session.scalars(
+            select(ModuleStep.claimed_by).where(ModuleStep.status == StepStatus.RUNNING).distinct()
+        )
+        if claimed is not None and _on_this_host_and_gone(claimed, host)
+    ]
+    if not dead:
+        session.rollback()
+        return 0
+    released = session.execute(
+        update(ModuleStep)
+        .where(ModuleStep.status == StepStatus.RUNNING, ModuleStep.claimed_by.in_(dead))
+        .values(status=StepStatus.PENDING, claimed_by=None, claimed_at=None)
+    )
+    session.commit()
+    count = int(released.rowcount or 0)  # type: ignore[attr-defined]
+    log.warning("took back %d module step(s) claimed by executors that are gone: %s", count, ", ".join(dead))
+    return count
+
+
+def _on_this_host_and_gone(claimed_by: str, host: str) -> bool:
+    owner, _, rest = claimed_by.rpartition("-")  # <host>-<pid>-<index>
+    owner_host, _, pid = owner.rpartition("-")
+    if owner_host != host or not pid.isdigit() or not rest.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+@dataclass(slots=True)
+class _Part:
+    """One module's part of one accepted upload: tensors named `<prefix><param>` in blob `blob_hash`."""
+
+    contribution_id: int
+    blob_hash: str
+    prefix: str
+    tokens: int
+    norm: float
+    """As measured at upload; parts uploaded before norms were measured count as within every bound."""
+    scale: float = 1.0
+    note: str | None = None
+
+
+def apply_step(
+    session: Session,
+    blobs: BlobStore,
+    claimed: _Claimed,
+    name: str,
+    *,
+    clock: Callable[[], datetime],
+    faults: FaultInjector = NO_FAULTS,
+    affinity: Affinity | None = None,
+) -> StepDone | None:
+    """Step one claimed module and commit; None when the claim was lost meanwhile (nothing is written then)."""
+    module = session.get_one(Module, claimed.module_id)
+    outer = OuterConfig(**session.get_one(Run, claimed.run_id).config["outer"])
+    base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
+    parts = _parts(session, claimed)
+    session.rollback()  # the math runs outside any transaction
+    started = time.perf_counter()
+    stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer)
+    new_hashes = None
+    if stepped is not None:
+        new_params, new_momentum = stepped
+        new_hashes = (
+            blobs.put_bytes(encode(new_params)),
+            blobs.put_bytes(encode(new_momentum)) if new_momentum is not None else None,
+        )
+    return _commit(session, claimed, name, base_version, parts, new_hashes, clock=clock, faults=faults,
+                   affinity=affinity, started=started)  # fmt: skip
+
+
+def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
+    """The accepted uploads' parts for the module in the round, in path order (the simulator's order)."""
+    return [
+        _Part(
+            contribution_id=row.contribution_id,
+            blob_hash=row.blob_hash,
+            prefix=row.prefix,
+            tokens=tokens,
+            norm=0.0 if row.norm is None else row.norm,
+        )
+        for row, tokens in session.execute(
+            select(ContributionGrad, Contribution.tokens)
+            .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
+            .where(
+                ContributionGrad.module_id == claimed.module_id,
+                Contribution.run_id == claimed.run_id,
+                Contribution.round == claimed.round,
+                Contribution.status == ContributionStatus.ACCEPTED,
+            )
+            .order_by(Contribution.path_id)
+        )
+    ]
+
+
+def _step(
+    blobs: BlobStore,
+    module_id: int,
+    weights_hash: str,
+    momentum_hash: str | None,
+    parts: list[_Part],
+    outer: OuterConfig,
+) -> tuple[Tensors, Tensors | None] | None:
+    """The module's outer round (`modules.RoundAccumulator`, one contribution at a time from the memory-mapped
+    upload blobs), each part with its outlier factor (`modules.outlier_scales`), recorded on the part.
+
+    Should the step come out non-finite anyway (`NonFiniteStep`), the part with the largest norm is refused and
+    the round folded again, until it is finite; None when no part is left (the module stays as it is).
+    """
+    norms = [p.norm for p in parts]
+    bound = outlier_bound(norms, outer)
+    for part, scale in zip(parts, outlier_scales(norms, outer), strict=True):
+        part.scale = scale
+        part.note = None if scale == 1 else _outlier_note(part.norm, scale, bound, outer)
+    params = decode(blobs.get_bytes(weights_hash))
+    momentum = decode(blobs.get_bytes(momentum_hash)) if momentum_hash else None
+    verified: set[str] = set()
+    while True:
+        acc = RoundAccumulator()
+        for part in parts:
+            if part.scale > 0:
+                grad = blobs.load_tensors(part.blob_hash, part.prefix, verified=verified)
+                acc.add(grad, contribution_weight(outer, part.tokens), scale=part.scale)
+        if acc.count == 0:
+            return None
+        try:
+            return acc.finish(params, momentum, outer)
+        except NonFiniteStep as exc:
+            worst = max((p for p in parts if p.scale > 0), key=lambda p: p.norm)
+            worst.scale = 0.0
+            worst.note = f"refused: {exc} (L2 norm {worst.norm:.4g}, the largest of the round)"
+            log.warning("module %s: %s", module_id, worst.note)
+
+
+def _outlier_note(norm: float, scale: float, bound: float, outer: OuterConfig) -> str:
+    action = "refused" if scale == 0 else f"clipped by {scale:.4g}"
+    return (
+        f"{action}: L2 norm {norm:.4g} over the round's bound {bound:.4g} (outer.max_norm {outer.max_norm}, "
+        f"outer.max_norm_ratio {outer.max_norm_ratio} x the median)"
+    )
+
+
+def _commit(
+    session: Session,
+    claimed: _Claimed,
+    name: str,
+    base_version: int,
+    parts: list[_Part],
+    new_hashes: tuple[str, str | None] | None,
+    *,
+    clock: Callable[[], datetime],
+    faults: FaultInjector,
+    affinity: Affinity | None,
+    started: float,
+) -> StepDone | None:
+    """One transaction, the run row locked (steps of a round commit one after the other, and the last one
+    applies the round): the step flips to `done` only under this executor's claim, the module takes its new
+    version, the parts record their outlier factors; the last step also applies the round."""
+    now = clock()
+    run = session.scalar(
+        select(Run).where(Run.id == claimed.run_id).with_for_update().execution_options(populate_existing=True)
+    )
+    assert run is not None  # runs are never deleted
+    mine = session.execute(
+        update(ModuleStep)
+        .where(ModuleStep.id == claimed.step_id, ModuleStep.status == StepStatus.RUNNING, ModuleStep.claimed_by == name)
+        .values(status=StepStatus.DONE, done_at=now)
+    )
+    module = session.scalar(select(Module).where(Module.id == claimed.module_id).with_for_update())
+    if mine.rowcount != 1 or module is None or module.version != base_version:  # type: ignore[attr-defined]
+        session.rollback()
+        log.warning(
+            "module %s of run %s round %s: claim lost, result dropped", claimed.module_id, run.id, claimed.round
+        )
+        return None
+    if new_hashes is not None:
+        module.weights_hash, module.momentum_hash = new_hashes
+        module.version += 1
+        module.updated_at = now
+        session.add(
+            ModuleVersion(
+                module_id=module.id,
+                version=module.version,
+                weights_hash=module.weights_hash,
+                momentum_hash=module.momentum_hash,
+                round=claimed.round,
+                created_at=now,
+            )
+        )
+    for part in parts:
+        session.execute(
+            update(ContributionGrad)
+            .where(ContributionGrad.contribution_id == part.contribution_id, ContributionGrad.module_id == module.id)
+            .values(scale=part.scale, note=part.note),
+            execution_options={"synchronize_session": False},
+        )
+    remaining = session.scalar(
+        select(func.count())
+        .select_from(ModuleStep)
+        .where(
+            ModuleStep.run_id == run.id,
+            ModuleStep.round == claimed.round,
+            ModuleStep.status != StepStatus.DONE,
+        )
+    )
+    offers = finish_round(session, run, claimed.round, now=now, affinity=affinity) if not remaining else []
+    faults.point("apply.before_commit")
+    session.commit()
+    log.info(
+        "run %s round %s: module %s stepped in %.2f s%s",
+        run.id,
+        claimed.round,
+        module.id,
+        time.perf_counter() - started,
+        "; round applied" if not remaining else "",
+    )
+    return StepDone(
+        run_id=run.id,
+        round=claimed.round,
+        module_id=module.id,
+        clipped=sum(0 < p.scale < 1 for p in parts),
+        refused=sum(p.scale == 0 for p in parts),
+        round_applied=not remaining,
+        offers=offers,
+    )
+
+
+class ApplyExecutor:
+    """Claims and applies module steps until there are none (`work`), or until stopped (`serve`)."""
+
+    def __init__(
+        self,
+        *,
+        sessions: sessionmaker[Session],
+        blobs: BlobStore,
+        clock: Callable[[], datetime],
+        name: str,
+        faults: FaultInjector = NO_FAULTS,
+        affinity: Affinity | None = None,
+        claim_s: float = CLAIM_S,
+        on_step: Callable[[StepDone], None] | None = None,
+    ) -> None:
+        self.name = name
+        self._sessions = sessions
+        self._blobs = blobs
+        self._clock = clock
+        self._faults = faults
+        self._affinity = affinity
+        self._claim_s = claim_s
+        self._on_step = on_step
+        self.steps = 0
+        """Steps this executor committed."""
+
+    def work(self) -> int:
+        """Apply steps until none can be claimed; returns how many this call committed."""
+        done = 0
+        with self._sessions() as session:
+            while True:
+                claimed = claim_step(session, self.name, now=self._clock(), claim_s=self._claim_s)
+                if claimed is None:
+                    return done
+                result = apply_step(
+                    session,
+                    self._blobs,
+                    claimed,
+                    self.name,
+                    clock=self._clock,
+                    faults=self._faults,
+                    affinity=self._affinity,
+                )
+                if result is not None:
+                    done += 1
+                    self.steps += 1
+                    if self._on_step is not None:
+                        self._on_step(result)
+
+    def serve(self, stop: threading.Event, wake: threading.Event, *, poll_s: float) -> None:
+        """Work whenever woken (a round closed in this process) or every `poll_s` (one closed elsewhere, a claim
+        gone stale), until `stop` is set. Errors are logged and the loop goes on: a failed step stays claimed
+        and is taken over later."""
+        last_release = 0.0
+        while not stop.is_set():
+            try:
+                if time.monotonic() - last_release > 10 * poll_s:
+                    with self._sessions() as session:
+                        release_dead_claims(session)
+                    last_release = time.monotonic()
+                self.work()
+            except Exception:  # keep serving: the step stays claimed and goes back to the pool when stale
+                log.exception("apply executor %s: a step failed", self.name)
+            wake.wait(poll_s)
+            wake.clear()

@@ -1,0 +1,242 @@
+"""Validating an outer-gradient upload before anything is written: its safetensors header, the layout of the
+run's codec, finite values, and each module's L2 norm (for the robust aggregation of `modules.outer`).
+
+Layouts (`modules.codec.encode_grad`; a payload without `dipaco.codec` metadata, from plain `encode`, is fp32):
+  fp32  every tensor of the path's modules, F32, its shape;
+  bf16  the same tensors as BF16;
+  int8  the same tensors as I8, and one F32 tensor `::scales` holding every tensor's block scales (sorted-name
+        order, `ceil(numel / block_size)` each), which must be finite and >= 0 (0 for an all-zero block).
+The header is capped before it is read and every field is type-checked; the values are read in place from the
+memory-mapped file, one tensor at a time, never copied whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path as FilePath
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from coordinator.errors import Invalid
+from coordinator.schemas import GRAD_KEY_SEP
+from modules import CodecError, Layout, ModelConfig, level_param_shapes
+from modules.codec import SCALES_NAME, int8_scale_spans, payload_codec, read_header, read_metadata
+
+MAX_HEADER_BYTES = 1 << 16
+"""Least cap on an upload's safetensors header; the cap is 512 bytes per expected tensor when that is more (a
+real header takes ~100 bytes a tensor). The header is JSON parsed in memory: a 32 MiB one cost ~190 MB."""
+CHUNK = 1 << 20
+"""Values converted at a time when a tensor is not read as float32 directly (bf16, int8, float32 overflow)."""
+_DTYPES = {"fp32": ("F32", 4), "bf16": ("BF16", 2), "int8": ("I8", 1)}
+"""Codec -> (safetensors dtype of the gradient tensors, bytes per value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A validated upload: where each level's tensors are, each level's L2 norm, and the codec it came in."""
+
+    prefixes: dict[int, str]
+    """level index -> tensor-name prefix."""
+    norms: dict[int, float]
+    """level index -> L2 norm of that module's (decoded) outer gradient."""
+    codec: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    dtype: str
+    shape: tuple[int, ...]
+    level: int | None
+    """The module (level index) the tensor belongs to; None for int8 scales."""
+
+
+def validated_payload(
+    body: FilePath, cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]], *, codec: str
+) -> Payload:
+    """Check the file against the path's modules and the run's `codec`; measure each module's norm (422 with a
+    message naming the problem otherwise)."""
+    prefixes = {level: f"{name}{GRAD_KEY_SEP}" for level, (_, name) in levels.items()}
+    shapes = {
+        f"{prefixes[level]}{param}": (level, shape)
+        for level in levels
+        for param, shape in level_param_shapes(cfg, layout, level).items()
+    }
+    head, header_bytes = _read_head(body, cap=max(MAX_HEADER_BYTES, 512 * (len(shapes) + 1)))
+    try:
+        header = read_header(head)
+        sent, block_size = payload_codec(read_metadata(head))
+    except CodecError as exc:
+        raise Invalid(f"outer-gradient payload: {exc}") from exc
+    if sent != codec:
+        raise Invalid(f"outer-gradient payload is encoded with {sent}; this run's codec is {codec}")
+    expected = _expected(shapes, codec, block_size)
+    unknown = sorted(set(header) - set(expected))
+    if unknown:
+        raise Invalid(
+            f"unknown tensor {unknown[0]!r} in outer-gradient payload; expected names like {next(iter(expected))!r}"
+        )
+    missing = sorted(set(expected) - set(header))
+    if missing:
+        raise Invalid(f"outer-gradient payload is missing {len(missing)} tensor(s), e.g. {missing[0]!r}")
+    offsets = {name: _tensor_offsets(name, info, expected[name]) for name, info in header.items()}
+    data_start = 8 + header_bytes
+    data_end = max((end for _, end in offsets.values()), default=0)
+    size = body.stat().st_size
+    if data_start + data_end != size:
+        raise Invalid(
+            f"outer-gradient payload: invalid safetensors payload: {size} bytes, "
+            f"the header describes {data_start + data_end}"
+        )
+    try:
+        with safe_open(str(body), framework="pt"):
+            pass  # safetensors' own checks of the layout (offsets contiguous, covering the data, no overlap)
+    except SafetensorError as exc:
+        raise Invalid(f"outer-gradient payload: invalid safetensors payload: {exc}") from exc
+    squares = _sums_of_squares(body, data_start, offsets, expected, codec=codec, block_size=block_size)
+    norms = dict.fromkeys(prefixes, 0.0)
+    for name, total in squares.items():
+        level = expected[name].level
+        if level is not None:
+            norms[level] += total
+    return Payload(prefixes=prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=codec)
+
+
+def _read_head(body: FilePath, *, cap: int) -> tuple[bytes, int]:
+    """The first 8 bytes and the header (at most `cap` bytes of it: a longer one is refused unread)."""
+    size = body.stat().st_size
+    with body.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if n > cap:
+            raise Invalid(f"outer-gradient payload: safetensors header of {n} bytes is over the {cap}-byte cap")
+        head += f.read(min(n, size - 8)) if len(head) == 8 else b""
+    return head, n
+
+
+def _expected(shapes: dict[str, tuple[int, tuple[int, ...]]], codec: str, block_size: int) -> dict[str, _Entry]:
+    dtype = _DTYPES[codec][0]
+    expected = {name: _Entry(dtype=dtype, shape=shape, level=level) for name, (level, shape) in shapes.items()}
+    if codec == "int8":
+        spans = int8_scale_spans({name: shape for name, (_, shape) in shapes.items()}, block_size)
+        total = sum(count for _, count in spans.values())
+        expected[SCALES_NAME] = _Entry(dtype="F32", shape=(total,), level=None)
+    return expected
+
+
+_ITEMSIZE = {"F32": 4, "BF16": 2, "I8": 1}
+
+
+def _tensor_offsets(name: str, info: object, entry: _Entry) -> tuple[int, int]:
+    """A header entry's (start, end) within the data section, after checking every field's type and value."""
+    if not isinstance(info, dict):
+        raise Invalid(f"tensor {name!r} has no valid entry in the safetensors header")
+    raw_shape = info.get("shape")
+    if not isinstance(raw_shape, list) or not all(_is_int(d) and d >= 0 for d in raw_shape):
+        raise Invalid(f"tensor {name!r} has no valid shape in the safetensors header")
+    dtype = info.get("dtype")
+    if dtype != entry.dtype:
+        raise Invalid(f"tensor {name!r} has dtype {dtype}, expected {entry.dtype}")
+    if tuple(raw_shape) != entry.shape:
+        raise Invalid(f"tensor {name!r} has shape {raw_shape}, expected {list(entry.shape)}")
+    offsets = info.get("data_offsets")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_int(o) and o >= 0 for o in offsets)
+        and offsets[1] - offsets[0] == _ITEMSIZE[entry.dtype] * math.prod(entry.shape)
+    ):
+        raise Invalid(f"tensor {name!r} has invalid data_offsets {offsets!r}")
+    return int(offsets[0]), int(offsets[1])
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sums_of_squares(
+    body: FilePath,
+    data_start: int,
+    offsets: dict[str, tuple[int, int]],
+    expected: dict[str, _Entry],
+    *,
+    codec: str,
+    block_size: int,
+) -> dict[str, float]:
+    """Each gradient tensor's sum of squared (decoded) values; refuses (422) NaN/Inf values and bad int8 scales.
+
+    fp32 tensors are read as float32 views of the memory-mapped file and squared with one BLAS dot product; a
+    non-finite dot means a NaN/Inf value, or finite values so large that float32 overflowed (e.g. 3.4e38): those
+    are counted exactly, and only in the second case is the sum redone in float64, a chunk at a time. bf16
+    values are widened to float32 a chunk at a time; int8 values are summed per block, times the block's scale.
+    """
+    data = np.memmap(body, dtype=np.uint8, mode="r")  # unmapped when the last view goes, on return
+
+    def raw(name: str) -> np.ndarray:
+        start, end = offsets[name]
+        return data[data_start + start : data_start + end]
+
+    sums: dict[str, float] = {}
+    scales: np.ndarray | None = None
+    spans: dict[str, tuple[int, int]] = {}
+    if codec == "int8":
+        scales = raw(SCALES_NAME).view("<f4")
+        bad = np.flatnonzero(~np.isfinite(scales) | (scales < 0))
+        if bad.size:
+            raise Invalid(
+                f"int8 payload: block scale {int(bad[0])} is {float(scales[bad[0]])!r}; scales must be finite and >= 0"
+            )
+        spans = int8_scale_spans({n: e.shape for n, e in expected.items() if e.level is not None}, block_size)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing products are expected here, not warnings
+        for name, entry in expected.items():
+            if entry.level is None:
+                continue
+            if codec == "fp32":
+                sums[name] = _f32_squares(name, raw(name).view("<f4"))
+            elif codec == "bf16":
+                sums[name] = _f32_squares(name, raw(name).view("<u2"), widen=True)
+            else:
+                assert scales is not None  # int8
+                start, count = spans[name]
+                sums[name] = _int8_squares(raw(name).view("i1"), scales[start : start + count], block_size)
+    return sums
+
+
+def _chunks(values: np.ndarray, *, widen: bool) -> Iterator[np.ndarray]:
+    for i in range(0, values.size, CHUNK):
+        chunk = values[i : i + CHUNK]
+        # bf16 is the top half of a float32: shifting its bits up 16 gives the same number exactly
+        yield (chunk.astype(np.uint32) << 16).view(np.float32) if widen else chunk
+
+
+def _f32_squares(name: str, values: np.ndarray, *, widen: bool = False) -> float:
+    if not widen:
+        total = float(np.dot(values, values))
+        if math.isfinite(total):
+            return total
+    total = 0.0
+    for chunk in _chunks(values, widen=widen):
+        finite = np.isfinite(chunk)
+        if not finite.all():
+            bad = sum(int(np.count_nonzero(~np.isfinite(c))) for c in _chunks(values, widen=widen))
+            raise Invalid(f"tensor {name!r} has {bad} non-finite value(s) (NaN/Inf)")
+        wide = chunk.astype(np.float64)
+        total += float(np.dot(wide, wide))
+    return total
+
+
+def _int8_squares(q: np.ndarray, scales: np.ndarray, block_size: int) -> float:
+    """sum_b scale_b^2 * sum_{i in b} q_i^2, a few thousand blocks at a time."""
+    total = 0.0
+    step = max(1, CHUNK // block_size) * block_size
+    for i in range(0, q.size, step):
+        chunk = q[i : i + step].astype(np.int64)
+        blocks = -(-chunk.size // block_size)
+        padded = np.zeros(blocks * block_size, dtype=np.int64)
+        padded[: chunk.size] = chunk
+        per_block = (padded.reshape(blocks, block_size) ** 2).sum(axis=1)
+        s = scales[i // block_size : i // block_size + blocks].astype(np.float64)
+        total += float(np.dot(per_block.astype(np.float64), s * s))
+    return total
