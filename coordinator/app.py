@@ -25,7 +25,7 @@ from coordinator.api.deps import AppState
 from coordinator.api.guard import RequestGuard
 from coordinator.api.spool import process_spool
 from coordinator.auth import IslandTokenCache, ensure_private_dir, load_service_tokens
-from coordinator.blobstore import BlobError, open_blob_store
+from coordinator.blobstore import BlobError, S3BlobStore, open_blob_store
 from coordinator.errors import ServiceError
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
@@ -82,8 +82,19 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
             metrics=metrics,
             affinity=affinity,
             max_leases=settings.max_leases_per_island,
+            direct=blobs if isinstance(blobs, S3BlobStore) else None,
+            presign_expiry_s=settings.presign_expiry_s,
         ),
-        uploads=UploadDesk(sessions=sessions, blobs=blobs, clock=clock, closer=closer, metrics=metrics, faults=faults),
+        uploads=UploadDesk(
+            sessions=sessions,
+            blobs=blobs,
+            clock=clock,
+            closer=closer,
+            metrics=metrics,
+            faults=faults,
+            max_upload_bytes=settings.max_upload_bytes,
+            presign_expiry_s=settings.presign_expiry_s,
+        ),
     )
 
 

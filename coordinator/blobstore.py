@@ -24,6 +24,8 @@ from safetensors.torch import load as st_load
 from modules.codec import decode_grad_part, read_metadata
 
 CHUNK = 1 << 20
+STAGING = "staging"
+"""Key prefix (under the store's own) of uploads PUT directly by islands and not yet verified."""
 
 
 class BlobError(Exception):
@@ -206,6 +208,69 @@ class S3BlobStore:
         if not self.exists(digest):
             self.client.upload_file(str(path), self.bucket, self.key(digest))
         path.unlink(missing_ok=True)
+
+    # -- direct transfers: islands move the bytes to and from the bucket with pre-signed URLs ---------------------
+
+    def presign_get(self, digest: str, *, expires_s: float) -> str:
+        """A URL anyone holding it may GET the blob with, until it expires (the reader checks the hash)."""
+        return str(
+            self.client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": self.key(digest)}, ExpiresIn=int(expires_s)
+            )
+        )
+
+    def staging_key(self, name: str) -> str:
+        """Where an upload waits, outside the content-addressed names, until it is verified."""
+        if not name or "/" in name or ".." in name:
+            raise BlobError(f"bad staging name {name!r}")
+        return f"{self.prefix}{STAGING}/{name}"
+
+    def presign_put(self, key: str, *, expires_s: float) -> str:
+        """A URL to PUT one upload to `key` (a `staging_key`), until it expires."""
+        return str(
+            self.client.generate_presigned_url(
+                "put_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=int(expires_s)
+            )
+        )
+
+    def staged_size(self, key: str) -> int | None:
+        """Size of the staged upload, None when nothing was PUT there."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise BlobError(f"s3://{self.bucket}/{key}: {exc}") from exc
+
+    def staged_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a staged upload (its safetensors header, read without the rest)."""
+        if end <= start:
+            return b""
+        body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+        return bytes(body.read())
+
+    def fetch_staged(self, key: str, dest: Path) -> str:
+        """Stream a staged upload into `dest`; returns its sha256."""
+        h = hashlib.sha256()
+        body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+        with dest.open("wb") as out:
+            for chunk in body.iter_chunks(CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+        return h.hexdigest()
+
+    def copy_staged(self, key: str, digest: str) -> None:
+        """Give a verified upload its content-addressed name (a copy inside the bucket: no bytes leave it).
+        Idempotent: a second executor finds it done."""
+        if not self.exists(digest):
+            self.client.copy_object(
+                Bucket=self.bucket, Key=self.key(digest), CopySource={"Bucket": self.bucket, "Key": key}
+            )
+
+    def delete_staged(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=key)
 
     def load_tensors(self, digest: str, prefix: str, *, verified: set[str]) -> dict[str, torch.Tensor]:
         # S3 has no memory map: the whole blob is read (and its hash checked) each time.

@@ -25,6 +25,7 @@ Timeouts, from short to long (see also the coordinator's settings):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,9 @@ from coordinator.schemas import (
     RunPublic,
     RunStats,
     ShardPublic,
+    UploadCommit,
+    UploadTicket,
+    UploadTicketRequest,
 )
 from coordinator.states import EventKind, IslandStatus, LeaseStatus, RunStatus
 
@@ -96,6 +100,8 @@ __all__ = [
     "RetryPolicy",
     "sha256_hex",
 ]
+
+log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 2.0
 """How long to wait after a lease request found no work and the reply had no readable `Retry-After`."""
@@ -167,12 +173,13 @@ class CoordinatorClient(Session):
         response = self.send(url, tokens, what=what, params={"num_documents": num_documents})
         return self.parse(ShardPublic, self.check(response, what=what, ok=(200, 201)), what=what)
 
-    def shard_tokens(self, shard_id: int, expected_hash: str | None = None) -> bytes:
+    def shard_tokens(self, shard_id: int, expected_hash: str | None = None, *, url: str | None = None) -> bytes:
         """The whole shard token file (little-endian uint16), verified against `expected_hash` (None: the hash
-        the coordinator sends with it)."""
-        return self.download(
-            f"/v1/shards/{shard_id}/tokens", what=f"tokens of shard {shard_id}", expected_hash=expected_hash
-        )
+        the coordinator sends with it). `url`: a pre-signed URL from a lease, fetched from the bucket directly."""
+        what = f"tokens of shard {shard_id}"
+        if url is not None and expected_hash is not None:
+            return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
+        return self.download(f"/v1/shards/{shard_id}/tokens", what=what, expected_hash=expected_hash)
 
     # -- modules and paths -------------------------------------------------------------------------------
 
@@ -183,9 +190,15 @@ class CoordinatorClient(Session):
     def module(self, module_id: int) -> ModulePublic:
         return self.call("GET", f"/v1/modules/{module_id}", ModulePublic, what=f"read of module {module_id}")
 
-    def module_weights(self, module_id: int, version: int | None = None, expected_hash: str | None = None) -> bytes:
+    def module_weights(
+        self, module_id: int, version: int | None = None, expected_hash: str | None = None, *, url: str | None = None
+    ) -> bytes:
         """Safetensors bytes of one module version (None: the current one), verified against `expected_hash`
-        (None: the hash the coordinator sends with it, e.g. for an old version)."""
+        (None: the hash the coordinator sends with it, e.g. for an old version). `url`: a pre-signed URL from a
+        lease, fetched from the bucket directly."""
+        if url is not None and expected_hash is not None:
+            what = f"weights of module {module_id} v{version} (direct)"
+            return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
         return self.download(
             f"/v1/modules/{module_id}/weights",
             what=f"weights of module {module_id}" + (f" v{version}" if version is not None else ""),
@@ -274,6 +287,44 @@ class CoordinatorClient(Session):
         if response.status_code == 409:
             raise LeaseLost(lease.lease_id, detail(response))
         return self.parse(ContributionPublic, self.check(response, what=what, ok=(200, 201)), what=what)
+
+    def upload_direct(
+        self, lease: LeasePublic, payload: bytes, *, tokens: int, train_loss: float
+    ) -> ContributionPublic:
+        """Direct transfers (`lease.direct_upload`): ask for a pre-signed URL, PUT the outer gradients to the
+        bucket, commit them. Each step retries; a commit is idempotent on the server.
+
+        Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
+        what = f"direct upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
+        digest = sha256_hex(payload)
+        ticket_request = UploadTicketRequest(size=len(payload), sha256=digest)
+        for attempt in (1, 2):
+            response = self.request(
+                "POST", f"/v1/leases/{lease.lease_id}/upload-url", what=what, json=ticket_request.model_dump()
+            )
+            if response.status_code == 409:
+                raise LeaseLost(lease.lease_id, detail(response))
+            ticket = self.parse(UploadTicket, self.check(response, what=what, ok=(200,)), what=what)
+            put = self.send(ticket.url, payload, what=f"{what}: PUT", method="PUT", presigned=True)
+            if put.status_code == 403 and attempt == 1:  # e.g. the URL expired while the body was on its way
+                log.warning("%s: the bucket refused the PUT (%s); asking for a new URL", what, detail(put)[:200])
+                continue
+            self.check(put, what=f"{what}: PUT", ok=(200, 201, 204))
+            break
+        commit = UploadCommit(
+            key=ticket.key,
+            size=len(payload),
+            sha256=digest,
+            round=lease.round,
+            tokens=tokens,
+            train_loss=float(train_loss),
+        )
+        response = self.request(
+            "POST", f"/v1/leases/{lease.lease_id}/commit", what=f"{what}: commit", json=commit.model_dump()
+        )
+        if response.status_code == 409:
+            raise LeaseLost(lease.lease_id, detail(response))
+        return self.parse(ContributionPublic, self.check(response, what=what, ok=(200,)), what=what)
 
     # -- watching a run (what the dashboard at /ui/ reads) -----------------------------------------------
 

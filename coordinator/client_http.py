@@ -170,24 +170,28 @@ class Session:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         ca_file: Path | None = None,
+        external: HttpClient | None = None,
     ) -> None:
         """`http`: talk through this client (its base URL, transport and timeouts; `close()` leaves it open); by
         default the session makes its own `httpx.Client` on `base_url` with `timeout`, trusting the system's
         certificate authorities, or only `ca_file` (PEM) when given (a coordinator with its own certificate).
         `page_size`: items per request of the list calls (1-1000). `sleep`, `clock`, `rng`: injectable for tests.
+        `external`: the client for the blob store's pre-signed URLs (default: a plain `httpx.Client`).
         """
         if not 1 <= page_size <= PAGE_LIMIT:
             raise ValueError(f"page_size must be in 1..{PAGE_LIMIT}, got {page_size}")
         self.base_url = base_url
         self._owns_http = http is None
+        self._verify: ssl.SSLContext | bool = True
+        if ca_file is not None:
+            try:
+                self._verify = ssl.create_default_context(cafile=str(ca_file))
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot use {ca_file} as a CA file: {exc}") from exc
+        self._external: HttpClient | None = external
+        self._owns_external = external is None
         if http is None:
-            verify: ssl.SSLContext | bool = True
-            if ca_file is not None:
-                try:
-                    verify = ssl.create_default_context(cafile=str(ca_file))
-                except (OSError, ssl.SSLError) as exc:
-                    raise ValueError(f"cannot use {ca_file} as a CA file: {exc}") from exc
-            http = httpx.Client(base_url=base_url, timeout=timeout, verify=verify)
+            http = httpx.Client(base_url=base_url, timeout=timeout, verify=self._verify)
         self._http: HttpClient = http
         self._token = token
         self._timeout = timeout
@@ -204,6 +208,15 @@ class Session:
     def close(self) -> None:
         if self._owns_http:
             self._http.close()
+        if self._external is not None and self._owns_external:
+            self._external.close()
+
+    def external(self) -> HttpClient:
+        """The HTTP client for pre-signed URLs of the blob store (absolute, carrying their own authorisation):
+        made on first use, with the session's timeouts and trust (`external=` injects one, for tests)."""
+        if self._external is None:
+            self._external = httpx.Client(timeout=self._timeout, verify=self._verify)
+        return self._external
 
     def __enter__(self) -> Self:
         return self
@@ -225,9 +238,11 @@ class Session:
         headers: Mapping[str, str] | None = None,
         timeout: httpx.Timeout | None = None,
         give_up_after_s: float | None = None,
+        presigned: bool = False,
     ) -> httpx.Response:
         """Send with retries; return the first response that is neither 5xx nor 429. Query parameters that are
         None are left out. `body` builds a fresh streamed request body per attempt, so an upload can be retried.
+        `presigned`: `url` is a pre-signed URL of the blob store, sent without the bearer token (`external`).
         """
         budget = self.retry.give_up_after_s if give_up_after_s is None else give_up_after_s
         query = {k: v for k, v in (params or {}).items() if v is not None} or None
@@ -239,13 +254,14 @@ class Session:
             attempt += 1
             self.attempts += 1
             try:
-                response: httpx.Response = self._http.request(
+                auth = {} if presigned else {"Authorization": f"Bearer {self._token}"}
+                response: httpx.Response = (self.external() if presigned else self._http).request(
                     method,
                     url,
                     params=query,
                     json=json,
                     content=body() if body is not None else None,
-                    headers={"Authorization": f"Bearer {self._token}", **(headers or {})},
+                    headers={**auth, **(headers or {})},
                     **extra,
                 )
                 if response.status_code == 429 or response.status_code >= 500:
@@ -324,11 +340,18 @@ class Session:
                 return items
 
     def download(
-        self, url: str, *, what: str, expected_hash: str | None, params: Mapping[str, Any] | None = None
+        self,
+        url: str,
+        *,
+        what: str,
+        expected_hash: str | None,
+        params: Mapping[str, Any] | None = None,
+        presigned: bool = False,
     ) -> bytes:
         """The body of a blob download, checked against `expected_hash` (None: the sha256 the server sends in
-        `X-Dipaco-Content-Sha256`)."""
-        response = self.check(self.request("GET", url, what=what, params=params), what=what, ok=(200,))
+        `X-Dipaco-Content-Sha256`). `presigned`: straight from the blob store (see `request`)."""
+        response = self.request("GET", url, what=what, params=params, presigned=presigned)
+        response = self.check(response, what=what, ok=(200,))
         data = response.content
         expected = expected_hash or response.headers.get(H_CONTENT_HASH)
         if not expected:
@@ -346,9 +369,12 @@ class Session:
         what: str,
         headers: Mapping[str, str] | None = None,
         params: Mapping[str, Any] | None = None,
+        method: str = "POST",
+        presigned: bool = False,
     ) -> httpx.Response:
-        """POST a raw body (bytes, or a file read from disk as it is sent) in `UPLOAD_CHUNK`s with an explicit
-        length: streamed but not chunk-encoded, so the server can refuse an oversize body before reading it."""
+        """POST (or PUT) a raw body (bytes, or a file read from disk as it is sent) in `UPLOAD_CHUNK`s with an
+        explicit length: streamed but not chunk-encoded, so the server can refuse an oversize body before reading
+        it. `presigned`: to a pre-signed URL of the blob store (see `request`)."""
         body, length = _streamed(source)
         sent = {**(headers or {}), "Content-Type": "application/octet-stream", "Content-Length": str(length)}
-        return self.request("POST", url, what=what, headers=sent, params=params, body=body)
+        return self.request(method, url, what=what, headers=sent, params=params, body=body, presigned=presigned)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -46,9 +47,18 @@ class Metrics:
             registry=self.registry,
         )
         self.bytes_in = Counter(
-            "dipaco_bytes_in", "Request body bytes received (uploads, shards)", registry=self.registry
+            "dipaco_bytes_in",
+            "Request body bytes this process received, by kind (outer_gradient, shard); direct transfers to the "
+            "bucket never pass here",
+            ["kind"],
+            registry=self.registry,
         )
-        self.bytes_out = Counter("dipaco_bytes_out", "Weight and shard bytes sent", registry=self.registry)
+        self.bytes_out = Counter(
+            "dipaco_bytes_out",
+            "Bytes this process sent, by kind (weights, shard); direct transfers from the bucket never pass here",
+            ["kind"],
+            registry=self.registry,
+        )
         self.leases_issued = Counter("dipaco_leases_issued", "Leases handed to islands", registry=self.registry)
         self.lease_expiries = Counter(
             "dipaco_lease_expiries", "Leases that expired without an upload", registry=self.registry
@@ -67,7 +77,7 @@ class Metrics:
             raise
 
 
-def counted(chunks: Iterable[bytes], counter: Counter) -> Iterator[bytes]:
+def counted(chunks: Iterable[bytes], counter: Any) -> Iterator[bytes]:
     """`chunks` as they are sent, each one added to `counter` (bytes out of a streamed reply)."""
     for chunk in chunks:
         counter.inc(len(chunk))

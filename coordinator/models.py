@@ -218,6 +218,9 @@ class Contribution(Base):
     train_loss: Mapped[float] = mapped_column(Float)
     codec: Mapped[Codec] = mapped_column(String(8), server_default="fp32")
     upload_bytes: Mapped[int] = mapped_column(server_default="0")
+    staged_key: Mapped[str | None] = mapped_column(
+        String(300), comment="Direct upload still in the bucket's staging area, its values not verified yet"
+    )
     status: Mapped[ContributionStatus] = mapped_column(state_column(ContributionStatus, length=16))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

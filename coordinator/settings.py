@@ -87,6 +87,12 @@ class Settings(BaseSettings):
         le=86_400,
         description="A module step claimed longer ago than this by an executor on another host is taken over",
     )
+    presign_expiry_s: float = Field(
+        default=900.0,
+        gt=0,
+        le=7 * 86_400,
+        description="With an s3:// blob store: how long the pre-signed URLs of direct transfers are good for",
+    )
     max_json_bytes: int = Field(
         default=1 << 20, gt=0, description="Cap on a JSON request body (run specs, joins); larger ones get 413"
     )

@@ -47,6 +47,7 @@ from modules import (
     parse_layout,
     simulate,
 )
+from modules.codec import GradCodec
 from modules.layout import Layout
 from router.corpus import build_local_corpus
 from router.evaluate import EvalResult, SinglePathRouter, evaluate_routed
@@ -173,7 +174,7 @@ class QualitySettings:
     """torch threads while scoring: on 2 busy cores one thread was 2.5x faster than two (docs/LOG.md)."""
     reroute_every: int | None = None
     """Also score the last round re-routing every W tokens (paper §2.5)."""
-    codec: str = "fp32"
+    codec: GradCodec = "int8"
     """How the islands upload their outer gradients (the run field `codec`: fp32, bf16, int8)."""
 
     def __post_init__(self) -> None:
@@ -634,6 +635,7 @@ def cross_check(
             rounds=settings.rounds,
             seed=settings.seed,
             tokens=shard_tokens(shards_dir),
+            codec=settings.codec,
         )
     finally:
         torch.set_num_threads(threads)

@@ -525,7 +525,8 @@ class Island:
         payload = encode_grad(grads, lease.codec, error_feedback=feedback if lease.codec != "fp32" else None)
         result.upload_bytes = len(payload)
         mean_loss = sum(result.losses) / len(result.losses)
-        contribution = self.client.upload(lease, payload, tokens=result.tokens, train_loss=mean_loss)
+        send = self.client.upload_direct if lease.direct_upload else self.client.upload  # bucket, or coordinator
+        contribution = send(lease, payload, tokens=result.tokens, train_loss=mean_loss)
         result.upload_s = time.perf_counter() - t_upload
         return contribution, feedback.residual
 
@@ -533,7 +534,7 @@ class Island:
 
     def _module_weights(self, module: LeaseModule, where: str) -> dict[str, torch.Tensor]:
         def fetch() -> bytes:
-            data = self.client.module_weights(module.module_id, module.version, module.weights_hash)
+            data = self.client.module_weights(module.module_id, module.version, module.weights_hash, url=module.url)
             self._downloaded += len(data)
             return data
 
@@ -547,7 +548,7 @@ class Island:
         shard = lease.shard
 
         def fetch() -> bytes:
-            data = self.client.shard_tokens(shard.shard_id, shard.tokens_hash)
+            data = self.client.shard_tokens(shard.shard_id, shard.tokens_hash, url=shard.url)
             self._downloaded += len(data)
             return data
 

@@ -93,3 +93,30 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3-compatible server on loopback (the `moto[server]` dev dependency), for the whole session."""
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed")
+    from island.distributed import free_port
+
+    port = free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch, s3_endpoint: str) -> str:
+    """Credentials for the moto server in the environment boto3 reads; its endpoint URL."""
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    return s3_endpoint

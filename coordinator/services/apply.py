@@ -37,6 +37,7 @@ from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleStep, ModuleVersion, Run
 from coordinator.services.leases import Affinity, ReadyOffer
 from coordinator.services.rounds import finish_round
+from coordinator.services.staging import REFUSED, verify_staged
 from coordinator.states import ContributionStatus, StepStatus
 from modules import (
     NonFiniteStep,
@@ -162,6 +163,8 @@ class _Part:
     tokens: int
     norm: float
     """As measured at upload; parts uploaded before norms were measured count as within every bound."""
+    refused: bool = False
+    """Refused before the round (a direct upload that failed verification): stays out."""
     scale: float = 1.0
     note: str | None = None
 
@@ -176,7 +179,9 @@ def apply_step(
     faults: FaultInjector = NO_FAULTS,
     affinity: Affinity | None = None,
 ) -> StepDone | None:
-    """Step one claimed module and commit; None when the claim was lost meanwhile (nothing is written then)."""
+    """Step one claimed module and commit; None when the claim was lost meanwhile (nothing is written then).
+    Direct uploads the step needs are verified first (`staging.verify_staged`)."""
+    verify_staged(session, blobs, run_id=claimed.run_id, round_=claimed.round, module_id=claimed.module_id)
     module = session.get_one(Module, claimed.module_id)
     outer = OuterConfig(**session.get_one(Run, claimed.run_id).config["outer"])
     base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
@@ -204,6 +209,8 @@ def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
             prefix=row.prefix,
             tokens=tokens,
             norm=0.0 if row.norm is None else row.norm,
+            refused=row.scale == 0 and (row.note or "").startswith(REFUSED),
+            note=row.note,
         )
         for row, tokens in session.execute(
             select(ContributionGrad, Contribution.tokens)
@@ -233,11 +240,15 @@ def _step(
     Should the step come out non-finite anyway (`NonFiniteStep`), the part with the largest norm is refused and
     the round folded again, until it is finite; None when no part is left (the module stays as it is).
     """
-    norms = [p.norm for p in parts]
+    kept = [p for p in parts if not p.refused]
+    norms = [p.norm for p in kept]
     bound = outlier_bound(norms, outer)
-    for part, scale in zip(parts, outlier_scales(norms, outer), strict=True):
+    for part, scale in zip(kept, outlier_scales(norms, outer), strict=True):
         part.scale = scale
         part.note = None if scale == 1 else _outlier_note(part.norm, scale, bound, outer)
+    for part in parts:
+        if part.refused:
+            part.scale = 0.0  # its note, from verification, stays
     params = decode(blobs.get_bytes(weights_hash))
     momentum = decode(blobs.get_bytes(momentum_hash)) if momentum_hash else None
     verified: set[str] = set()

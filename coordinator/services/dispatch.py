@@ -22,6 +22,7 @@ from datetime import datetime
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from coordinator.blobstore import S3BlobStore
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
 from coordinator.schemas import IdleReason, LeasePublic
@@ -68,6 +69,8 @@ class LeaseDispatcher:
         metrics: Metrics,
         affinity: Affinity,
         max_leases: int = 1,
+        direct: S3BlobStore | None = None,
+        presign_expiry_s: float = 900.0,
     ) -> None:
         self._sessions = sessions
         self._clock = clock
@@ -77,6 +80,9 @@ class LeaseDispatcher:
         self._metrics = metrics
         self._affinity = affinity
         self._max_leases = max_leases
+        self._direct = direct
+        """With an s3:// store, leases carry pre-signed URLs and islands move the bytes themselves."""
+        self._presign_expiry_s = presign_expiry_s
         """Leases one island may hold at once (its capabilities may ask for fewer)."""
         self._slots = asyncio.Semaphore(MAX_LEASE_ATTEMPTS)
 
@@ -96,10 +102,25 @@ class LeaseDispatcher:
             found = await self._attempt(island_id, ticket)
             left = until - time.monotonic()
             if found.lease is not None or left <= 0 or found.idle == "no-running-runs":
-                return Dispatched(lease=found.lease, idle=found.idle, held_s=held)
+                lease = self._with_urls(found.lease) if found.lease is not None else None
+                return Dispatched(lease=lease, idle=found.idle, held_s=held)
             started = time.monotonic()
             await self._wakeups.wait(ticket, left)
             held += time.monotonic() - started
+
+    def _with_urls(self, lease: LeasePublic) -> LeasePublic:
+        """The lease with pre-signed GETs of its modules and shard, and direct upload on (s3:// stores only)."""
+        if self._direct is None:
+            return lease
+        expiry = self._presign_expiry_s
+        modules = [
+            m.model_copy(update={"url": self._direct.presign_get(m.weights_hash, expires_s=expiry)})
+            for m in lease.modules
+        ]
+        shard = lease.shard.model_copy(
+            update={"url": self._direct.presign_get(lease.shard.tokens_hash, expires_s=expiry)}
+        )
+        return lease.model_copy(update={"modules": modules, "shard": shard, "direct_upload": True})
 
     async def _attempt(self, island_id: int, ticket: asyncio.Event | None) -> _Found:
         """One look for work: an offer this process built (no read), else the database, unless nothing changed

@@ -40,8 +40,8 @@ class Payload:
 
     prefixes: dict[int, str]
     """level index -> tensor-name prefix."""
-    norms: dict[int, float]
-    """level index -> L2 norm of that module's (decoded) outer gradient."""
+    norms: dict[int, float | None]
+    """level index -> L2 norm of that module's (decoded) outer gradient; None until measured (direct uploads)."""
     codec: str
 
 
@@ -53,18 +53,35 @@ class _Entry:
     """The module (level index) the tensor belongs to; None for int8 scales."""
 
 
-def validated_payload(
-    body: FilePath, cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]], *, codec: str
-) -> Payload:
-    """Check the file against the path's modules and the run's `codec`; measure each module's norm (422 with a
-    message naming the problem otherwise)."""
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A payload's checked safetensors header: what each tensor is and where its bytes are."""
+
+    prefixes: dict[int, str]
+    expected: dict[str, _Entry]
+    offsets: dict[str, tuple[int, int]]
+    data_start: int
+    codec: str
+    block_size: int
+
+
+def header_cap(cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]]) -> int:
+    """Largest safetensors header accepted for an upload of these levels."""
+    tensors = sum(len(level_param_shapes(cfg, layout, level)) for level in levels)
+    return max(MAX_HEADER_BYTES, 512 * (tensors + 1))
+
+
+def validated_header(
+    head: bytes, size: int, cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]], *, codec: str
+) -> Header:
+    """Check a payload's first bytes (the 8-byte length and the header, `head`) and its total `size` against the
+    path's modules and the run's `codec`: names, dtypes, shapes, offsets, every field's type (422 otherwise)."""
     prefixes = {level: f"{name}{GRAD_KEY_SEP}" for level, (_, name) in levels.items()}
     shapes = {
         f"{prefixes[level]}{param}": (level, shape)
         for level in levels
         for param, shape in level_param_shapes(cfg, layout, level).items()
     }
-    head, header_bytes = _read_head(body, cap=max(MAX_HEADER_BYTES, 512 * (len(shapes) + 1)))
     try:
         header = read_header(head)
         sent, block_size = payload_codec(read_metadata(head))
@@ -82,38 +99,61 @@ def validated_payload(
     if missing:
         raise Invalid(f"outer-gradient payload is missing {len(missing)} tensor(s), e.g. {missing[0]!r}")
     offsets = {name: _tensor_offsets(name, info, expected[name]) for name, info in header.items()}
-    data_start = 8 + header_bytes
+    data_start = len(head)
     data_end = max((end for _, end in offsets.values()), default=0)
-    size = body.stat().st_size
     if data_start + data_end != size:
         raise Invalid(
             f"outer-gradient payload: invalid safetensors payload: {size} bytes, "
             f"the header describes {data_start + data_end}"
         )
+    return Header(
+        prefixes=prefixes,
+        expected=expected,
+        offsets=offsets,
+        data_start=data_start,
+        codec=codec,
+        block_size=block_size,
+    )
+
+
+def header_length(first8: bytes, *, cap: int) -> int:
+    """The header length a payload's first 8 bytes announce (at most `cap`: a longer one is refused unread)."""
+    n = int.from_bytes(first8, "little") if len(first8) == 8 else 0
+    if n > cap:
+        raise Invalid(f"outer-gradient payload: safetensors header of {n} bytes is over the {cap}-byte cap")
+    return n
+
+
+def validated_payload(
+    body: FilePath, cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]], *, codec: str
+) -> Payload:
+    """Check the file against the path's modules and the run's `codec`; measure each module's norm (422 with a
+    message naming the problem otherwise)."""
+    head = _read_head(body, cap=header_cap(cfg, layout, levels))
+    checked = validated_header(head, body.stat().st_size, cfg, layout, levels, codec=codec)
     try:
         with safe_open(str(body), framework="pt"):
             pass  # safetensors' own checks of the layout (offsets contiguous, covering the data, no overlap)
     except SafetensorError as exc:
         raise Invalid(f"outer-gradient payload: invalid safetensors payload: {exc}") from exc
-    squares = _sums_of_squares(body, data_start, offsets, expected, codec=codec, block_size=block_size)
-    norms = dict.fromkeys(prefixes, 0.0)
+    squares = _sums_of_squares(
+        body, checked.data_start, checked.offsets, checked.expected, codec=codec, block_size=checked.block_size
+    )
+    norms = dict.fromkeys(checked.prefixes, 0.0)
     for name, total in squares.items():
-        level = expected[name].level
+        level = checked.expected[name].level
         if level is not None:
             norms[level] += total
-    return Payload(prefixes=prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=codec)
+    return Payload(prefixes=checked.prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=codec)
 
 
-def _read_head(body: FilePath, *, cap: int) -> tuple[bytes, int]:
+def _read_head(body: FilePath, *, cap: int) -> bytes:
     """The first 8 bytes and the header (at most `cap` bytes of it: a longer one is refused unread)."""
     size = body.stat().st_size
     with body.open("rb") as f:
         head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        if n > cap:
-            raise Invalid(f"outer-gradient payload: safetensors header of {n} bytes is over the {cap}-byte cap")
-        head += f.read(min(n, size - 8)) if len(head) == 8 else b""
-    return head, n
+        n = header_length(head, cap=cap)
+        return head + (f.read(min(n, size - 8)) if len(head) == 8 else b"")
 
 
 def _expected(shapes: dict[str, tuple[int, tuple[int, ...]]], codec: str, block_size: int) -> dict[str, _Entry]:

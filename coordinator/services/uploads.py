@@ -11,23 +11,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path as FilePath
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator.blobstore import BlobStore
-from coordinator.errors import Conflict, Forbidden, Invalid, ServiceError
+from coordinator.blobstore import BlobStore, S3BlobStore
+from coordinator.errors import Conflict, Forbidden, Invalid, PayloadTooLarge, ServiceError
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.models import Contribution, ContributionGrad, Lease, Level, Module, Path, PathModule, Round, Run
-from coordinator.schemas import ContributionPublic
+from coordinator.schemas import ContributionPublic, UploadCommit, UploadTicket, UploadTicketRequest
 from coordinator.services.closing import RoundCloser
 from coordinator.services.events import record_refused_upload
 from coordinator.services.leases import get_lease
-from coordinator.services.payloads import Payload, validated_payload
+from coordinator.services.payloads import Payload, header_cap, header_length, validated_header, validated_payload
 from coordinator.services.runs import run_layout, run_model_config
 from coordinator.states import ContributionStatus, LeaseStatus, RoundStatus, RunStatus
 from modules import Layout, ModelConfig, OuterConfig
@@ -45,8 +45,12 @@ class Upload:
     tokens: int
     """`X-Dipaco-Tokens`: tokens trained for the lease (the weight under `outer.weighting = "tokens"`)."""
     train_loss: float
-    body: FilePath
+    body: FilePath | None
+    """The spooled body; None for a direct upload, which is in the bucket at `staged_key`."""
     body_sha256: str
+    size: int
+    staged_key: str | None = None
+    """A direct upload: PUT by the island into the bucket's staging area (`DirectUploads`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,8 @@ class UploadDesk:
         closer: RoundCloser,
         metrics: Metrics,
         faults: FaultInjector,
+        max_upload_bytes: int = 1 << 30,
+        presign_expiry_s: float = 900.0,
     ) -> None:
         self._sessions = sessions
         self._blobs = blobs
@@ -91,6 +97,52 @@ class UploadDesk:
         self._closer = closer
         self._metrics = metrics
         self._faults = faults
+        self._max_upload_bytes = max_upload_bytes
+        self._presign_expiry_s = presign_expiry_s
+
+    @property
+    def direct(self) -> bool:
+        """Whether islands move outer gradients to the bucket themselves (an s3:// blob store)."""
+        return isinstance(self._blobs, S3BlobStore)
+
+    def ticket(self, lease_id: int, island_id: int, request: UploadTicketRequest) -> UploadTicket:
+        """Where the island may PUT the outer gradient of its lease (a pre-signed URL to a staging key named by
+        the lease and the body's sha256, so a retry gets the same key); runs on a worker thread."""
+        if not isinstance(self._blobs, S3BlobStore):
+            raise Conflict("direct uploads need an s3:// blob store; upload to /outer-gradients instead")
+        if request.size > self._max_upload_bytes:
+            raise PayloadTooLarge(f"body of {request.size} bytes is over the {self._max_upload_bytes}-byte limit")
+        with self._sessions() as session:
+            lease = get_lease(session, lease_id)
+            if lease.island_id != island_id:
+                raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
+            run = session.get_one(Run, lease.run_id)
+            _check_lease(run, lease, None, _prior_contribution(session, lease), _round_status(session, lease))
+        key = self._blobs.staging_key(f"{lease_id}-{request.sha256}")
+        expires = self._clock() + timedelta(seconds=self._presign_expiry_s)
+        return UploadTicket(
+            url=self._blobs.presign_put(key, expires_s=self._presign_expiry_s), key=key, expires_at=expires
+        )
+
+    def commit(self, lease_id: int, island_id: int, commit: UploadCommit) -> ContributionPublic:
+        """Record an outer gradient the island PUT to the bucket (`ticket`); the same checks and answers as an
+        upload through the coordinator, the values verified later by the apply executor."""
+        if not isinstance(self._blobs, S3BlobStore):
+            raise Conflict("direct uploads need an s3:// blob store; upload to /outer-gradients instead")
+        if commit.key != self._blobs.staging_key(f"{lease_id}-{commit.sha256}"):
+            raise Forbidden(f"key {commit.key!r} is not the upload ticket of lease {lease_id} for that sha256")
+        upload = Upload(
+            lease_id=lease_id,
+            island_id=island_id,
+            round=commit.round,
+            tokens=commit.tokens,
+            train_loss=commit.train_loss,
+            body=None,
+            body_sha256=commit.sha256,
+            size=commit.size,
+            staged_key=commit.key,
+        )
+        return self.accept(upload)
 
     def accept(self, upload: Upload) -> ContributionPublic:
         """Accept (or refuse, with a `ServiceError`, recorded as an event) one upload; runs on a worker thread."""
@@ -139,9 +191,30 @@ def submit_outer_gradients(
     if isinstance(checked, Submitted):
         return checked
     session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
-    payload = validated_payload(upload.body, checked.cfg, checked.layout, checked.levels, codec=checked.codec)
-    _check_norms(payload, checked)
+    if upload.body is not None:
+        payload = validated_payload(upload.body, checked.cfg, checked.layout, checked.levels, codec=checked.codec)
+        _check_norms(payload, checked)
+    else:
+        payload = _staged_payload(blobs, upload, checked)
     return _record(session, blobs, upload, checked, payload, now=now, faults=faults)
+
+
+def _staged_payload(blobs: BlobStore, upload: Upload, checked: _Checked) -> Payload:
+    """A direct upload's header, read from the bucket with two ranged GETs; its values (finite, norms) are
+    verified by the apply executor before any math (`apply.verify_staged`)."""
+    if not isinstance(blobs, S3BlobStore) or upload.staged_key is None:
+        raise Invalid("direct uploads need an s3:// blob store")
+    size = blobs.staged_size(upload.staged_key)
+    if size is None:
+        raise Conflict(f"nothing was uploaded at {upload.staged_key}: PUT the body to the ticket's URL first")
+    if size != upload.size:
+        raise Invalid(f"the upload at {upload.staged_key} has {size} bytes, the commit says {upload.size}")
+    cap = header_cap(checked.cfg, checked.layout, checked.levels)
+    first8 = blobs.staged_range(upload.staged_key, 0, 8)
+    n = header_length(first8, cap=cap)
+    head = first8 + blobs.staged_range(upload.staged_key, 8, min(8 + n, size))
+    header = validated_header(head, size, checked.cfg, checked.layout, checked.levels, codec=checked.codec)
+    return Payload(prefixes=header.prefixes, norms=dict.fromkeys(header.prefixes), codec=checked.codec)
 
 
 def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
@@ -176,7 +249,7 @@ def _check_norms(payload: Payload, checked: _Checked) -> None:
     if checked.outer.outliers != "refuse" or bound is None:
         return
     for level_index, norm in payload.norms.items():
-        if norm > bound:
+        if norm is not None and norm > bound:
             name = checked.levels[level_index][1]
             raise Invalid(
                 f"outer gradient of level {name!r} has L2 norm {norm:.4g}, over the run's bound "
@@ -214,7 +287,8 @@ def _record(
         tokens=upload.tokens,
         train_loss=upload.train_loss,
         codec=payload.codec,
-        upload_bytes=upload.body.stat().st_size,
+        upload_bytes=upload.size,
+        staged_key=upload.staged_key,
         status=ContributionStatus.ACCEPTED,
         created_at=now,
     )
@@ -224,7 +298,8 @@ def _record(
     except IntegrityError as exc:
         session.rollback()
         raise Conflict(f"path of lease {lease.id} already has a contribution for round {lease.round}") from exc
-    blobs.put_file(upload.body, upload.body_sha256)
+    if upload.body is not None:
+        blobs.put_file(upload.body, upload.body_sha256)
     session.add_all(
         ContributionGrad(
             contribution_id=contribution.id,

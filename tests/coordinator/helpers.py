@@ -32,6 +32,7 @@ TINY_RUN: dict[str, Any] = {
     "inner": {"batch_size": 2, "warmup_steps": 0},
     "inner_steps": 2,
     "num_rounds": 3,
+    "codec": "fp32",  # the tests upload hand-made fp32 payloads
 }
 
 

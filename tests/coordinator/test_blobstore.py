@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,32 +14,8 @@ from fastapi.testclient import TestClient
 from coordinator.app import create_app
 from coordinator.blobstore import BlobError, BlobStore, LocalBlobStore, S3BlobStore, open_blob_store
 from coordinator.settings import Settings
-from island.distributed import free_port
 from tests.conftest import ADMIN, JOIN, FakeClock
 from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload, wait_applied
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed")
-    port = free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def s3_env(monkeypatch: pytest.MonkeyPatch, s3_endpoint: str) -> str:
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(key, value)
-    return s3_endpoint
 
 
 def _bucket(endpoint: str, name: str) -> Any:

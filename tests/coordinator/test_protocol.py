@@ -421,7 +421,7 @@ def test_held_islands_get_their_offers_when_the_round_opens(client: TestClient) 
         assert got[i].status_code == 200, got[i].text
         body = got[i].json()
         assert (body["round"], body["path_index"]) == (1, leases[i]["path_index"])  # type: ignore[index]
-        assert int(got[i].headers["X-Dipaco-Held-Ms"]) >= 300
+        assert int(got[i].headers["X-Dipaco-Held-Ms"]) > 0  # held until the round was applied
         island_id, h = islands[i]
         beat = client.post(f"/v1/islands/{island_id}/heartbeat", headers=h).json()
         assert beat["active_lease_ids"] == [body["lease_id"]]  # active in the database, not only in the reply

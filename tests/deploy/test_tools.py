@@ -67,18 +67,6 @@ def test_create_run_refuses_a_bad_spec_before_sending_it(
     assert "no admin token" in caplog.text
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    server_mod = pytest.importorskip("moto.server", reason="moto[server] is not installed")
-    port = free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-
-
 @pytest.fixture
 def store_env(monkeypatch: pytest.MonkeyPatch, s3_endpoint: str) -> str:
     for key, value in {

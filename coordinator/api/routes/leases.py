@@ -12,7 +12,17 @@ from coordinator.api.deps import Id, PrincipalDep, SessionDep, SessionRoute, Sta
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.errors import Invalid
-from coordinator.schemas import DB_INT_MAX, H_ROUND, H_TOKENS, H_TRAIN_LOSS, ContributionPublic, LeaseReleased
+from coordinator.schemas import (
+    DB_INT_MAX,
+    H_ROUND,
+    H_TOKENS,
+    H_TRAIN_LOSS,
+    ContributionPublic,
+    LeaseReleased,
+    UploadCommit,
+    UploadTicket,
+    UploadTicketRequest,
+)
 from coordinator.services import leases
 from coordinator.services.uploads import Upload
 
@@ -64,7 +74,7 @@ async def upload_outer_gradients(
         assert tokens is not None  # required
         loss = _parse_float(H_TRAIN_LOSS, x_dipaco_train_loss)
         body = await spool_body(request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir)
-        state.metrics.bytes_in.inc(body.size)
+        state.metrics.bytes_in.labels(kind="outer_gradient").inc(body.size)
         upload = Upload(
             lease_id=lease_id,
             island_id=principal.island_id,
@@ -73,6 +83,7 @@ async def upload_outer_gradients(
             train_loss=loss,
             body=body.path,
             body_sha256=body.sha256,
+            size=body.size,
         )
         try:
             return await run_in_threadpool(state.uploads.accept, upload)
@@ -87,3 +98,28 @@ def release(lease_id: Id, session: SessionDep, state: StateDep, principal: Princ
     assert principal.island_id is not None  # island scope
     lease = leases.release_lease(session, lease_id, principal.island_id, wakeups=state.wakeups)
     return LeaseReleased(lease_id=lease.id, status=lease.status)
+
+
+@router.post("/leases/{lease_id}/upload-url", response_model=UploadTicket, responses=errors(400, 403, 404, 409))
+async def upload_url(
+    lease_id: Id, request: UploadTicketRequest, state: StateDep, principal: PrincipalDep
+) -> UploadTicket:
+    """Direct transfers (an s3:// blob store): a pre-signed URL to PUT the lease's outer gradient to, for its size
+    and sha256; then `POST .../commit`. 409 when the store is a local directory (upload to /outer-gradients)."""
+    require(principal, "island")
+    assert principal.island_id is not None  # island scope
+    with state.metrics.counting_refused_uploads():
+        return await run_in_threadpool(state.uploads.ticket, lease_id, principal.island_id, request)
+
+
+@router.post("/leases/{lease_id}/commit", response_model=ContributionPublic, responses=errors(400, 403, 404, 409))
+async def commit_upload(
+    lease_id: Id, commit: UploadCommit, state: StateDep, principal: PrincipalDep
+) -> ContributionPublic:
+    """Direct transfers: the body is in the bucket at the ticket's key; record it with the same checks and answers
+    as `POST .../outer-gradients` (its header is read from the bucket; its values are verified by the apply
+    executor before any math, and a part that fails is refused there, with a note on the contribution)."""
+    require(principal, "island")
+    assert principal.island_id is not None  # island scope
+    with state.metrics.counting_refused_uploads():
+        return await run_in_threadpool(state.uploads.commit, lease_id, principal.island_id, commit)

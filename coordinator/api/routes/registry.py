@@ -56,7 +56,7 @@ def module_weights(
         return Response(status_code=304, headers={"ETag": etag})
     session.rollback()  # the read is done: no database connection held while the weights stream
     return StreamingResponse(
-        counted(state.blobs.iter_verified(digest), state.metrics.bytes_out),
+        counted(state.blobs.iter_verified(digest), state.metrics.bytes_out.labels(kind="weights")),
         media_type="application/octet-stream",
         headers={"ETag": etag, H_CONTENT_HASH: digest},
     )

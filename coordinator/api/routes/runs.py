@@ -87,7 +87,7 @@ async def register_shard(
     require(principal, "admin")
     spooled = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir)
     body = spooled.path
-    state.metrics.bytes_in.inc(spooled.size)
+    state.metrics.bytes_in.labels(kind="shard").inc(spooled.size)
 
     def _register() -> ShardPublic:
         with state.sessions() as session:
@@ -132,7 +132,7 @@ def shard_tokens(
     etag = f'"{shard.tokens_hash}"'
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"ETag": etag})
-    state.metrics.bytes_out.inc(shard.num_tokens * 2)
+    state.metrics.bytes_out.labels(kind="shard").inc(shard.num_tokens * 2)
     session.rollback()  # the read is done: no database connection held while the shard streams
     return StreamingResponse(
         state.blobs.iter_verified(shard.tokens_hash),

@@ -1,0 +1,114 @@
+"""Verifying direct uploads before any math: an outer gradient an island PUT into the bucket's staging area was
+recorded on the strength of its header (`uploads._staged_payload`); the apply executor that first needs it reads
+it whole, checks that it hashes to the sha256 its island committed, checks its values (finite; each module's
+norm measured, the same code as an upload through the coordinator: `payloads.validated_payload`), and gives it its
+content-addressed name in the bucket. An upload that fails is refused part by part (scale 0, with the reason on
+the contribution), so nothing it carries reaches a module; it is removed from the staging area either way.
+
+Executors of different modules may verify the same upload at once: each does the work, the first commit wins
+(`staged_key` is cleared only where it is still set), and promoting is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path as FilePath
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from coordinator.blobstore import BlobError, BlobStore, S3BlobStore
+from coordinator.errors import Invalid
+from coordinator.models import Contribution, ContributionGrad, Level, Module, Run
+from coordinator.services.payloads import validated_payload
+from coordinator.services.runs import run_layout, run_model_config
+
+log = logging.getLogger(__name__)
+
+REFUSED = "refused at verification: "
+"""Start of the note of a part whose direct upload failed verification (its scale is 0 and stays 0)."""
+
+
+def verify_staged(session: Session, blobs: BlobStore, *, run_id: int, round_: int, module_id: int) -> int:
+    """Verify every direct upload of the round that has a part for `module_id` and is still staged; returns how
+    many this call verified or refused. Leaves no transaction open."""
+    staged = session.execute(
+        select(Contribution.id, Contribution.staged_key, ContributionGrad.blob_hash)
+        .join(ContributionGrad, ContributionGrad.contribution_id == Contribution.id)
+        .where(
+            ContributionGrad.module_id == module_id,
+            Contribution.run_id == run_id,
+            Contribution.round == round_,
+            Contribution.staged_key.is_not(None),
+        )
+    ).all()
+    session.rollback()
+    if staged and not isinstance(blobs, S3BlobStore):
+        raise BlobError("direct uploads are staged in an s3:// bucket, but this executor's blob store is not one")
+    done = 0
+    for contribution_id, key, digest in staged:
+        assert isinstance(blobs, S3BlobStore) and key is not None
+        done += _verify_one(session, blobs, contribution_id, key, digest)
+    return done
+
+
+def _verify_one(session: Session, blobs: S3BlobStore, contribution_id: int, key: str, digest: str) -> int:
+    run = session.get_one(Run, session.get_one(Contribution, contribution_id).run_id)
+    cfg, layout, codec = run_model_config(run), run_layout(run), run.config.get("codec", "fp32")
+    levels = {
+        level_index: (module_id, name)
+        for module_id, level_index, name in session.execute(
+            select(ContributionGrad.module_id, Module.level_index, Level.name)
+            .join(Module, Module.id == ContributionGrad.module_id)
+            .join(Level, Level.id == Module.level_id)
+            .where(ContributionGrad.contribution_id == contribution_id)
+        )
+    }
+    session.rollback()
+    norms: dict[int, float | None] | None = None
+    reason = ""
+    with tempfile.TemporaryDirectory(prefix="dipaco-staged-") as tmp:
+        body = FilePath(tmp) / "upload"
+        try:
+            actual = blobs.fetch_staged(key, body)
+        except Exception as exc:  # noqa: BLE001 - gone (another executor promoted it) or unreadable: look again
+            return _already_verified(session, contribution_id, key, exc)
+        if actual != digest:
+            reason = f"the upload hashes to {actual}, its commit said {digest}"
+        else:
+            try:
+                norms = validated_payload(body, cfg, layout, levels, codec=codec).norms
+            except Invalid as exc:
+                reason = exc.detail
+    if norms is not None:
+        blobs.copy_staged(key, digest)  # named by its content before the database says so; staged copy kept
+    cleared = session.execute(
+        update(Contribution)
+        .where(Contribution.id == contribution_id, Contribution.staged_key.is_not(None))
+        .values(staged_key=None)
+    )
+    if cleared.rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()  # another executor finished it first
+        return 0
+    for level_index, (module_id, _) in levels.items():
+        values = {"norm": norms[level_index]} if norms is not None else {"scale": 0.0, "note": REFUSED + reason}
+        session.execute(
+            update(ContributionGrad)
+            .where(ContributionGrad.contribution_id == contribution_id, ContributionGrad.module_id == module_id)
+            .values(**values),
+            execution_options={"synchronize_session": False},
+        )
+    session.commit()
+    blobs.delete_staged(key)  # last: until the commit, another executor may still be reading it
+    if norms is None:
+        log.warning("contribution %s refused at verification: %s", contribution_id, reason)
+    return 1
+
+
+def _already_verified(session: Session, contribution_id: int, key: str, exc: Exception) -> int:
+    still = session.scalar(select(Contribution.staged_key).where(Contribution.id == contribution_id))
+    session.rollback()
+    if still is None:
+        return 0
+    raise BlobError(f"direct upload of contribution {contribution_id} at {key} cannot be read: {exc}") from exc
