@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: venv demo test lint clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# just the environment: then `source .venv/bin/activate` puts `dipaco` on PATH (README "Using it")
+venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/dipaco demo
@@ -26,5 +29,6 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
+# what `make`, the demo and the README's walkthrough leave behind (the walkthrough's coordinator state included)
 clean:
-	rm -rf $(VENV) dipaco-demo
+	rm -rf $(VENV) dipaco-demo .dipaco corpus shards refit exports coordinator.log

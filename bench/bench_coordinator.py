@@ -517,8 +517,8 @@ def bench_apply(k: int, d_model: int, executors: list[int]) -> dict[str, Any]:
     state = build_state(settings)
     rows = []
     try:
-        for n in executors:
-            run_id = _round_of_uploads(state, f"apply-{n}", k, d_model, distinct=8)
+        for i, n in enumerate(executors):
+            run_id = _round_of_uploads(state, f"apply-{i}-{n}", k, d_model, distinct=8)
             procs = [
                 subprocess.Popen(
                     [

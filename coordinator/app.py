@@ -225,6 +225,16 @@ def json_safe_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
 
 def create_app_from_env() -> FastAPI:
     """Factory for `uvicorn --factory` with several workers: settings come from the DIPACO_* environment."""
-    app = create_app(Settings())
+    settings = Settings()
+    app = create_app(settings)
     quiet_garbage_collector()
+    use_torch_threads(settings)
     return app
+
+
+def use_torch_threads(settings: Settings) -> None:
+    """Set this process's torch intra-op threads (`Settings.torch_threads`): called by `serve` and `apply-worker`,
+    not by `create_app`, so that an app built in a test leaves the test process as it was."""
+    import torch
+
+    torch.set_num_threads(settings.torch_threads)

@@ -17,16 +17,21 @@ app = typer.Typer(help="Run the coordinator: registry, rounds and the REST API."
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
-    data_dir: Annotated[Path | None, typer.Option(help="SQLite file, blobs, tokens.json [env DIPACO_DATA_DIR]")] = None,
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL [env DIPACO_DATABASE_URL]")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="SQLite file, blobs, tokens.json (default: $DIPACO_DATA_DIR, else .dipaco)")
+    ] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="SQLAlchemy URL (default: $DIPACO_DATABASE_URL, else SQLite in the data dir)")
+    ] = None,
     blob_url: Annotated[
-        str | None, typer.Option(help="Blob directory or s3://bucket/prefix [env DIPACO_BLOB_URL]")
+        str | None,
+        typer.Option(help="Blob directory or s3://bucket/prefix (default: $DIPACO_BLOB_URL, else <data dir>/blobs)"),
     ] = None,
     migrate: Annotated[
         bool | None,
         typer.Option(
             "--migrate/--no-migrate",
-            help="Run database migrations on start (default: DIPACO_MIGRATE_ON_START, else yes)",
+            help="Run database migrations on start (default: $DIPACO_MIGRATE_ON_START, else yes)",
             show_default=False,
         ),
     ] = None,
@@ -40,7 +45,7 @@ def serve(
             min=0,
             max=64,
             help="Apply executors (threads) per process; 0: rounds are applied by `apply-worker` processes only "
-            "(default: DIPACO_APPLY_WORKERS, else 1)",
+            "(default: $DIPACO_APPLY_WORKERS, else 1)",
             show_default=False,
         ),
     ] = None,
@@ -55,7 +60,7 @@ def serve(
     """Serve the coordinator (SQLite + local blob directory by default)."""
     import uvicorn
 
-    from coordinator.app import create_app, quiet_garbage_collector
+    from coordinator.app import create_app, quiet_garbage_collector, use_torch_threads
     from coordinator.auth import load_service_tokens
     from coordinator.settings import Settings, redact_url
 
@@ -93,6 +98,7 @@ def serve(
     if workers == 1:
         app = create_app(settings)
         quiet_garbage_collector()
+        use_torch_threads(settings)
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive, **tls)
         return
     # Several processes: migrate once here, then every worker builds its app from the same environment.
@@ -122,14 +128,57 @@ def serve(
     )
 
 
+@app.command()
+def tokens(
+    data_dir: Annotated[
+        Path, typer.Option(envvar="DIPACO_DATA_DIR", help="The coordinator's data directory (holds tokens.json)")
+    ] = Path(".dipaco"),
+    export: Annotated[
+        bool,
+        typer.Option("--export", help="Print one `export DIPACO_ADMIN_TOKEN=... DIPACO_JOIN_TOKEN=...` line for eval"),
+    ] = False,
+) -> None:
+    """Print the admin and join tokens kept in <data-dir>/tokens.json (mode 0600), creating the file as `serve`
+    does on its first start when there is none. In a shell: eval "$(dipaco coordinator tokens --export)".
+
+    A coordinator started with DIPACO_ADMIN_TOKEN / DIPACO_JOIN_TOKEN in its environment uses those instead."""
+    import json
+    import shlex
+
+    path = data_dir / "tokens.json"
+    if not path.is_file():
+        from coordinator.auth import load_service_tokens
+        from coordinator.settings import Settings
+
+        # the rule of `serve`'s first start, with the environment's tokens left out: it writes both to the file
+        load_service_tokens(Settings(data_dir=data_dir, admin_token=None, join_token=None))
+        typer.echo(f"created {path} (mode 0600); `dipaco coordinator serve` reads it", err=True)
+    try:
+        stored = json.loads(path.read_text())
+        admin, join = stored["admin_token"], stored["join_token"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        typer.echo(f"error: cannot read the tokens in {path}: {exc!r}", err=True)
+        raise typer.Exit(code=1) from exc
+    if export:
+        typer.echo(f"export DIPACO_ADMIN_TOKEN={shlex.quote(admin)} DIPACO_JOIN_TOKEN={shlex.quote(join)}")
+        return
+    typer.echo(f"admin token (DIPACO_ADMIN_TOKEN: create runs, register shards, read everything): {admin}")
+    typer.echo(f"join token  (DIPACO_JOIN_TOKEN: islands join with it): {join}")
+    typer.echo(f"from {path.resolve()}")
+
+
 @app.command("apply-worker")
 def apply_worker(
     data_dir: Annotated[
-        Path | None, typer.Option(help="Holds the default SQLite file and blobs [env DIPACO_DATA_DIR]")
+        Path | None,
+        typer.Option(help="Holds the default SQLite file and blobs (default: $DIPACO_DATA_DIR, else .dipaco)"),
     ] = None,
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL [env DIPACO_DATABASE_URL]")] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="SQLAlchemy URL (default: $DIPACO_DATABASE_URL, else SQLite in the data dir)")
+    ] = None,
     blob_url: Annotated[
-        str | None, typer.Option(help="Blob directory or s3://bucket/prefix [env DIPACO_BLOB_URL]")
+        str | None,
+        typer.Option(help="Blob directory or s3://bucket/prefix (default: $DIPACO_BLOB_URL, else <data dir>/blobs)"),
     ] = None,
     threads: Annotated[int, typer.Option(min=1, max=64, help="Executors in this process")] = 1,
     poll_s: Annotated[float, typer.Option(min=0.05, help="Seconds between looks for closed rounds")] = 1.0,
@@ -142,6 +191,7 @@ def apply_worker(
     import threading
 
     from coordinator import db
+    from coordinator.app import use_torch_threads
     from coordinator.blobstore import open_blob_store
     from coordinator.services.apply import ApplyExecutor, executor_name, release_dead_claims
     from coordinator.services.leases import Affinity
@@ -157,6 +207,7 @@ def apply_worker(
     if blob_url is not None:
         overrides["blob_url"] = blob_url
     settings = Settings(**overrides)  # type: ignore[arg-type]
+    use_torch_threads(settings)
     engine = db.make_engine(settings.resolved_database_url, pool_size=threads + 1, max_overflow=0)
     sessions = db.make_sessionmaker(engine)
     blobs = open_blob_store(settings.resolved_blob_url, s3_endpoint_url=settings.s3_endpoint_url)
@@ -200,8 +251,12 @@ def apply_worker(
 
 @app.command()
 def migrate(
-    data_dir: Annotated[Path | None, typer.Option(help="Holds the default SQLite file [env DIPACO_DATA_DIR]")] = None,
-    database_url: Annotated[str | None, typer.Option(help="SQLAlchemy URL [env DIPACO_DATABASE_URL]")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Holds the default SQLite file (default: $DIPACO_DATA_DIR, else .dipaco)")
+    ] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="SQLAlchemy URL (default: $DIPACO_DATABASE_URL, else SQLite in the data dir)")
+    ] = None,
     check: Annotated[
         bool, typer.Option("--check", help="Change nothing: exit 0 when the schema is at head, 1 when it is not")
     ] = False,

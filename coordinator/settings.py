@@ -81,6 +81,13 @@ class Settings(BaseSettings):
         le=64,
         description="Apply executors (threads) this process runs; 0: only external `coordinator apply-worker`s",
     )
+    torch_threads: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="torch intra-op threads of a coordinator or apply-worker process (the apply math); add executors, "
+        "not threads: two threads per process made the same apply 1x-10x slower at random on a shared 2-core box",
+    )
     apply_claim_s: float = Field(
         default=300.0,
         gt=0,

@@ -1,27 +1,16 @@
 """What the commands that talk to the coordinator share (`dipaco eval`, `export`, `generate`, `router register`,
-`router refit`): the bearer token, the command's one `CoordinatorClient`, and client errors as one red line."""
+`router refit`): the command's one `CoordinatorClient`. The token rule and the console are in
+`coordinator.cli_options` (shared with `dipaco registry`)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from coordinator.client import CoordinatorClient, RetryPolicy
-
-
-def require_token(console: Console, token: str, *, admin: bool = False) -> str:
-    """`--token` (or its environment variable), else `DIPACO_ADMIN_TOKEN`; without one, say so and exit 1."""
-    token = token or os.environ.get("DIPACO_ADMIN_TOKEN", "")
-    if not token:
-        what, env = ("admin token", "DIPACO_ADMIN_TOKEN") if admin else ("token", "DIPACO_TOKEN")
-        console.print(f"[red]error:[/red] no {what}: pass --token or set {env}")
-        raise typer.Exit(code=1)
-    return token
 
 
 @contextmanager

@@ -1,4 +1,6 @@
-"""`dipaco island ...`: join a run as a worker island. Thin: parse flags, build `IslandConfig`, run."""
+"""`dipaco island ...`: join a run as a worker island. Thin: parse flags, build `IslandConfig`, run.
+
+The worker (torch) is imported when `join` runs, not when its options are read."""
 
 from __future__ import annotations
 
@@ -8,12 +10,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.logging import RichHandler
 
 from coordinator.cli_options import CaFileOpt
-from island.distributed import follower_main, launch_followers, ranks_from_env
-from island.worker import Island, IslandConfig, default_name
 
 app = typer.Typer(help="Join a DiPaCo run as a worker island.", no_args_is_help=True)
 
@@ -32,7 +30,7 @@ def join(
         str, typer.Option(envvar="DIPACO_ISLAND_DEVICE", help="auto (cuda if available), cpu, cuda or cuda:N.")
     ] = "auto",
     name: Annotated[
-        str | None, typer.Option(envvar="DIPACO_ISLAND_NAME", help="Island name [default: hostname-pid].")
+        str | None, typer.Option(envvar="DIPACO_ISLAND_NAME", help="Island name.", show_default="hostname-pid")
     ] = None,
     site: Annotated[str, typer.Option(envvar="DIPACO_ISLAND_SITE", help="Site label.")] = "local",
     cache_dir: Annotated[Path, typer.Option(envvar="DIPACO_ISLAND_CACHE_DIR", help="Weights/shard cache.")] = Path(
@@ -41,7 +39,9 @@ def join(
     max_rounds: Annotated[
         int | None,
         typer.Option(
-            min=1, envvar="DIPACO_ISLAND_MAX_ROUNDS", help="Stop after this many uploaded leases [default: until done]."
+            min=1,
+            envvar="DIPACO_ISLAND_MAX_ROUNDS",
+            help="Stop after this many uploaded leases (default: no limit).",
         ),
     ] = None,
     exit_when_idle: Annotated[
@@ -49,7 +49,8 @@ def join(
         typer.Option(
             "--exit-when-idle/--wait",
             envvar="DIPACO_ISLAND_EXIT_WHEN_IDLE",
-            help="Exit 0 when no run is running, or keep polling.",
+            help="While no run is running: --wait asks again until one starts, --exit-when-idle exits 0 at once. "
+            "Either way, an island that has trained something leaves (exit 0) once no run is running.",
         ),
     ] = False,
     lease_wait: Annotated[
@@ -100,7 +101,13 @@ def join(
     ] = False,
     ca_file: CaFileOpt = None,
 ) -> None:
-    """Join a run and train leased paths until the run finishes (exit codes: see docs/ISLAND.md)."""
+    """Join a run and train leased paths until no run is running (exit codes: see docs/ISLAND.md)."""
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from island.distributed import follower_main, launch_followers, ranks_from_env
+    from island.worker import Island, IslandConfig, default_name
+
     console = Console(stderr=True)
     if not logging.getLogger().handlers:
         logging.basicConfig(

@@ -16,13 +16,13 @@ def test_cli_commands() -> None:
     root = get_command(app)
     groups = {name: sorted(getattr(cmd, "commands", {})) for name, cmd in root.commands.items()}  # type: ignore[attr-defined]
     assert groups == {
-        "coordinator": ["apply-worker", "migrate", "serve"],
+        "coordinator": ["apply-worker", "migrate", "serve", "tokens"],
         "demo": [],
         "eval": [],
         "export": [],
         "generate": [],
         "island": ["join"],
-        "registry": ["islands", "modules", "paths", "runs"],
+        "registry": ["create-run", "islands", "modules", "paths", "runs"],
         "router": ["corpus", "refit", "register", "shard"],
     }
 
@@ -52,8 +52,10 @@ def test_http_routes(tmp_path: Path) -> None:
         ("POST", "/v1/islands"),
         ("POST", "/v1/islands/{island_id}/heartbeat"),
         ("POST", "/v1/islands/{island_id}/lease"),
+        ("POST", "/v1/leases/{lease_id}/commit"),
         ("POST", "/v1/leases/{lease_id}/outer-gradients"),
         ("POST", "/v1/leases/{lease_id}/release"),
+        ("POST", "/v1/leases/{lease_id}/upload-url"),
         ("POST", "/v1/runs"),
         ("POST", "/v1/runs/{run_id}/shards/{path_index}"),
     ]

@@ -4,6 +4,8 @@ The admin step of the compose stack's router job (deploy/compose.yaml) and of do
 coordinator, then speaks to it through the project's one typed client (`coordinator/client.py`), so the spec is
 validated against `RunCreate` before anything is sent. Running it again is harmless: an existing run of the same
 name is reported, not created twice, and its status tells the caller whether shards are still to be registered.
+The spec is read as `dipaco registry create-run --spec` reads it (JSON, or YAML); that command is the one to use
+by hand, this script is its idempotent form for a stack that may come up many times.
 
     DIPACO_ADMIN_TOKEN=... python create_run.py --coordinator http://coordinator:8000 --spec run.json
 """
@@ -11,7 +13,6 @@ name is reported, not created twice, and its status tells the caller whether sha
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.client import ClientError, CoordinatorClient, RetryPolicy
+from coordinator.registry_cli import load_run_spec
 from coordinator.schemas import RunCreate
 
 log = logging.getLogger("create_run")
@@ -28,7 +30,7 @@ log = logging.getLogger("create_run")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", type=Path, required=True, help="run spec: the JSON body of POST /v1/runs")
+    parser.add_argument("--spec", type=Path, required=True, help="run spec: the JSON (or YAML) body of POST /v1/runs")
     parser.add_argument(
         "--coordinator",
         default=os.environ.get("DIPACO_COORDINATOR", "http://127.0.0.1:8000"),
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None, *, http: Any = None) -> int:
         log.error("no admin token: set DIPACO_ADMIN_TOKEN")
         return 1
     try:
-        spec = RunCreate.model_validate(json.loads(args.spec.read_text()))
+        spec = RunCreate.model_validate(load_run_spec(args.spec))
     except (OSError, ValueError, ValidationError) as exc:
         log.error("run spec %s: %s", args.spec, exc)
         return 1
