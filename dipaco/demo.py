@@ -11,6 +11,8 @@ everything and says where the database, blobs and plot were left.
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 import signal
 import sys
@@ -19,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from coordinator.cli_options import console as cli_console
 from coordinator.client import CoordinatorClient
 from coordinator.schemas import RunPublic
 from coordinator.states import RunStatus
@@ -31,7 +33,7 @@ from router.shards import load_manifest
 if TYPE_CHECKING:
     from dipaco.quality import Contender, QualitySettings
 
-console = Console()
+console = cli_console()
 MARKER = ".dipaco-demo"
 
 
@@ -55,6 +57,18 @@ def demo(
     block: Annotated[str | None, typer.Option(help="Transformer block: gpt2 or llama (default: the flavour's)")] = None,
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
     docs_per_domain: Annotated[int, typer.Option(min=10, help="Corpus size")] = 300,
+    corpus_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--corpus",
+            help="Train and compare on your corpus: a directory from `dipaco router corpus` (default: the built-in "
+            "local corpus, built in the work directory)",
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        str, typer.Option(help="Shard tokens: byte, or bpe (trained on the corpus; every model uses it)")
+    ] = "byte",
+    vocab_size: Annotated[int, typer.Option(min=257, max=65535, help="BPE vocabulary (with --tokenizer bpe)")] = 8192,
     compare: Annotated[
         bool,
         typer.Option(
@@ -72,32 +86,66 @@ def demo(
 ) -> None:
     """Run everything on this machine: coordinator, corpus, router, a 2x2 run and island subprocesses; then
     compare held-out perplexity against dense baselines and a flat 4-expert layout."""
-    from dipaco.quality import QualitySettings, prepare_corpus, run_spec, shards_for, standard_contenders
+    from dipaco.quality import (
+        QualitySettings,
+        corpus_tokenizer,
+        prepare_corpus,
+        run_spec,
+        shards_for,
+        standard_contenders,
+    )
+    from router.corpus import CorpusError, load_corpus_manifest
 
     started = time.monotonic()
     workdir = workdir.resolve()
+    if corpus_dir is not None and corpus_dir.resolve().is_relative_to(workdir):
+        raise typer.BadParameter(f"--corpus {corpus_dir} is inside --workdir {workdir}, which the demo rebuilds")
+    try:
+        settings = QualitySettings(
+            rounds=rounds,
+            inner_steps=inner_steps,
+            batch_size=batch_size,
+            max_islands=islands,
+            eval_docs=eval_docs,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+        )
+        user_manifest = dict(load_corpus_manifest(corpus_dir.resolve())) if corpus_dir is not None else None
+    except (ValueError, CorpusError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
     _prepare_workdir(workdir)
     logs = workdir / "logs"
     logs.mkdir()
     steps = 6 if compare else 5
     console.rule("[bold]dipaco demo")
-    settings = QualitySettings(
-        rounds=rounds, inner_steps=inner_steps, batch_size=batch_size, max_islands=islands, eval_docs=eval_docs
-    )
     # SIGTERM ends the demo like Ctrl-C: the `finally` below stops the coordinator and the islands.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    contenders = standard_contenders(flavour, block=block)
-    grid = next(c for c in contenders if c.name == "DiPaCo 2x2")
-
-    console.print(f"[bold]1/{steps}[/] building the local corpus (Python, C headers, man pages, licences, changelogs)")
-    manifest = prepare_corpus(workdir / "corpus", docs_per_domain=docs_per_domain)
+    if corpus_dir is None:
+        corpus = workdir / "corpus"
+        console.print(
+            f"[bold]1/{steps}[/] building the local corpus (Python, C headers, man pages, licences, changelogs)"
+        )
+        manifest = prepare_corpus(corpus, docs_per_domain=docs_per_domain)
+    else:
+        corpus = corpus_dir.resolve()
+        console.print(f"[bold]1/{steps}[/] using your corpus in {corpus}")
+        assert user_manifest is not None
+        manifest = user_manifest
     console.print(
-        f"    {manifest['splits']['train']['documents']} train documents, "
+        f"    {manifest['splits']['train']['documents']} train documents in {len(manifest['domains'])} domains, "
         f"{manifest['splits']['heldout']['documents']} held-out"
     )
+    tok = corpus_tokenizer(corpus, workdir, settings)
+    if tok is not None:
+        console.print(f"    BPE tokenizer of {tok.vocab_size} tokens trained on the train split")
+    contenders = standard_contenders(flavour, block=block, vocab_size=tok.vocab_size if tok is not None else None)
+    grid = next(c for c in contenders if c.name == "DiPaCo 2x2")
 
-    console.print(f"[bold]2/{steps}[/] routing documents by their first 32 tokens into 4 shards (k-means)")
-    shards_dir = shards_for(workdir / "corpus", workdir, grid.levels, routing=settings.routing, seed=settings.seed)
+    console.print(
+        f"[bold]2/{steps}[/] routing documents by their first 32 tokens into 4 shards (k-means), each written in "
+        "a seeded random order"
+    )
+    shards_dir = shards_for(corpus, workdir, grid.levels, settings)
     shards = load_manifest(shards_dir)
     console.print(
         f"    shard purity by domain {shards['purity']:.2f} (random assignment {shards['purity_random']:.2f})"
@@ -140,6 +188,7 @@ def demo(
             _compare(
                 service,
                 workdir,
+                corpus,
                 settings,
                 contenders,
                 demo_run=run.id,
@@ -163,19 +212,50 @@ def demo(
     console.print(f"blobs:    {coord_dir / 'blobs'}")
     console.print(f"tokens:   {service.token_file}")
     console.print(f"logs:     {logs}")
-    console.print(
-        f"Inspect the registry again with (the coordinator reads its tokens from {service.token_file.name}):\n"
-        f"  dipaco coordinator serve --data-dir {coord_dir} --port {service.port}\n"
-        f"  then open {service.dashboard_url} (admin_token from {service.token_file}), or\n"
-        f"  DIPACO_TOKEN=<admin_token> dipaco registry modules --coordinator {service.url}"
-    )
+    console.print(_again_hint(service), soft_wrap=True, highlight=False, markup=False)
     (workdir / "summary.json").write_text(json.dumps({"run_id": run.id, "losses": losses}, indent=2))
     console.print(f"finished in {time.monotonic() - started:.0f} s")
+
+
+def _shown(path: Path) -> str:
+    """`path` for a command line: relative to the current directory when inside it, shell-quoted."""
+    try:
+        shown = str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(path)
+    return shlex.quote(shown)
+
+
+def dipaco_command() -> str:
+    """How to run this `dipaco` again from the current directory: `dipaco` when the one on PATH is this one, else
+    its path (e.g. `.venv/bin/dipaco` after `make demo`, which puts nothing on PATH)."""
+    exe = Path(sys.prefix) / "bin" / "dipaco"
+    if not exe.is_file():
+        return f"{shlex.quote(sys.executable)} -m dipaco"
+    on_path = shutil.which("dipaco")
+    if on_path is not None and os.path.samefile(on_path, exe):
+        return "dipaco"
+    return _shown(exe)
+
+
+def _again_hint(service: LocalService) -> str:
+    """The closing lines: commands to copy that bring the registry and the dashboard back; no token in them."""
+    dipaco, data, tokens = dipaco_command(), _shown(service.data_dir), _shown(service.token_file)
+    return "\n".join(
+        [
+            f"To look at the registry again (the tokens are in {tokens}):",
+            f'  eval "$({dipaco} coordinator tokens --data-dir {data} --export)"',
+            f"  {dipaco} coordinator serve --data-dir {data} --port {service.port} &",
+            f"  {dipaco} registry modules --coordinator {service.url}",
+            f"  and the dashboard: {service.dashboard_url} (it asks for the admin_token in {tokens})",
+        ]
+    )
 
 
 def _compare(
     service: LocalService,
     workdir: Path,
+    corpus: Path,
     settings: QualitySettings,
     contenders: list[Contender],
     *,
@@ -192,7 +272,7 @@ def _compare(
         service,
         contenders,
         settings,
-        corpus_dir=workdir / "corpus",
+        corpus_dir=corpus,
         workdir=workdir,
         existing=existing,
         log=console.print,
@@ -205,12 +285,15 @@ def _compare(
             f"x H={settings.inner_steps} (quick setting)",
         )
     )
+    flags = qr.sanity_flags(results)
+    if flags:
+        console.print(qr.flags_table(flags))
     console.print(qr.targets_table(qr.targets(results)))
     console.print("    (quick setting: the targets are judged by `python bench/quality.py`, see docs/QUALITY.md)")
     if cross_check:
         dense = next(c for c in contenders if c.name == qr.DENSE_S)
         check = run_cross_check(
-            qr.find(results, qr.DENSE_S) or results[0], dense, settings, corpus_dir=workdir / "corpus", workdir=workdir
+            qr.find(results, qr.DENSE_S) or results[0], dense, settings, corpus_dir=corpus, workdir=workdir
         )
         console.print(qr.cross_check_table([check]))
     png = qr.plot(

@@ -11,19 +11,20 @@ Each path is built with `modules.build_path` only when a document is routed to i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from coordinator.cli_options import CaFileOpt
+from coordinator.cli_options import CaFileOpt, ReadTokenOpt, console, resolve_token
 from coordinator.client import ClientError, CoordinatorClient
 from coordinator.schemas import ModulePublic, RunPublic
-from dipaco.commands import connect, require_token
+from dipaco.commands import connect
+from dipaco.progress import Progress
 from modules import CodecError, ModelConfig, build_path, decode
 from modules.model import PathModel
 from router.bpe import TOKENIZER_FILE, BPETokenizer
@@ -50,6 +51,8 @@ class RunPaths:
     config: ModelConfig
     modules: list[list[ModulePublic]]
     client: CoordinatorClient
+    on_fetch: Callable[[ModulePublic, int], None] | None = None
+    """Called after each module download with its size in bytes (progress of long commands)."""
     _cache: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -61,6 +64,8 @@ class RunPaths:
         digest = module.weights_hash
         if digest not in self._cache:
             body = self.client.module_weights(module.id, module.version, digest)
+            if self.on_fetch is not None:
+                self.on_fetch(module, len(body))
             try:
                 self._cache[digest] = decode(body)
             except CodecError as exc:
@@ -71,8 +76,11 @@ class RunPaths:
         return build_path(self.config, [self.weights(m) for m in self.modules[path_index]])
 
 
-def fetch_run_paths(client: CoordinatorClient, run_id: int) -> RunPaths:
-    """Read the run, its paths and its modules' current versions (weights are fetched lazily)."""
+def fetch_run_paths(
+    client: CoordinatorClient, run_id: int, *, on_fetch: Callable[[ModulePublic, int], None] | None = None
+) -> RunPaths:
+    """Read the run, its paths and its modules' current versions (weights are fetched lazily; `on_fetch`: see
+    `RunPaths`)."""
     run = client.run(run_id)
     config = ModelConfig.from_dict(run.config["model"])
     modules = {m.id: m for m in client.modules(run_id=run_id)}
@@ -87,16 +95,33 @@ def fetch_run_paths(client: CoordinatorClient, run_id: int) -> RunPaths:
         if missing:
             raise EvalError(f"path {p.index} of run {run_id} uses modules {missing} not listed for the run")
         per_path.append([modules[m] for m in p.module_ids])
-    return RunPaths(run=run, config=config, modules=per_path, client=client)
+    return RunPaths(run=run, config=config, modules=per_path, client=client, on_fetch=on_fetch)
 
 
 def find_tokenizer(router_or_shards: Path) -> BPETokenizer | None:
-    """The BPE tokenizer saved with the shards (`tokenizer.json` in the shard directory, next to `router/`), if
-    the shards were cut with one; None for byte-level shards."""
+    """The BPE tokenizer saved with the shards (`tokenizer.json` in the shard directory, next to `router/`, or in
+    a refit router's directory), if the shards were cut with one; None for byte-level shards. A file path is
+    loaded as the tokenizer itself."""
+    if router_or_shards.is_file():
+        return BPETokenizer.load(router_or_shards)
     for candidate in (router_or_shards / TOKENIZER_FILE, router_or_shards.parent / TOKENIZER_FILE):
         if candidate.is_file():
             return BPETokenizer.load(candidate)
     return None
+
+
+def check_vocab(tokenizer: BPETokenizer | None, config: ModelConfig, *, run_id: int) -> None:
+    """Refuse a tokenizer that the run's model cannot read, and byte tokens for a model trained on BPE (a model
+    whose vocabulary is larger than bytes was made for a tokenizer: scoring it with bytes is meaningless)."""
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise EvalError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, run {run_id}'s model only {config.vocab_size}"
+        )
+    if tokenizer is None and config.vocab_size > ByteTokenizer.vocab_size:
+        raise EvalError(
+            f"run {run_id}'s model has {config.vocab_size} tokens, so it was trained on BPE shards, but no "
+            f"{TOKENIZER_FILE} was found with the router: give the shard directory (it holds the tokenizer)"
+        )
 
 
 def load_router(directory: Path) -> Router:
@@ -123,17 +148,17 @@ def evaluate_run(
     stride: int | None = None,
     batch_size: int = 256,
     tokenizer: BPETokenizer | None = None,
+    progress: Progress | None = None,
 ) -> EvalResult:
     """Routed evaluation of a run's current module versions. `tokenizer`: the BPE tokenizer the run's shards were
-    cut with (None: bytes)."""
-    run_paths = fetch_run_paths(client, run_id)
+    cut with (None: bytes). `progress`: told about each module fetched and each batch scored."""
+    run_paths = fetch_run_paths(client, run_id, on_fetch=progress.fetched if progress is not None else None)
     if router.num_paths != run_paths.num_paths:
         raise EvalError(f"the router has {router.num_paths} paths, run {run_id} has {run_paths.num_paths}")
-    vocab = tokenizer.vocab_size if tokenizer is not None else ByteTokenizer.vocab_size
-    if vocab > run_paths.config.vocab_size:
-        raise EvalError(f"the tokenizer has {vocab} tokens, run {run_id}'s model only {run_paths.config.vocab_size}")
+    check_vocab(tokenizer, run_paths.config, run_id=run_id)
+    build = run_paths.build if progress is None else progress.watch_paths(run_paths.build, num_paths=router.num_paths)
     result = evaluate_routed(
-        run_paths.build,
+        build,
         router,
         documents,
         prefix_tokens=router.prefix_tokens,
@@ -186,18 +211,20 @@ def eval_command(
     split: Annotated[str, typer.Option(help="Split to score: reads SPLIT.jsonl in the corpus.")] = "heldout",
     every: Annotated[int | None, typer.Option(min=1, help="Re-route every W tokens (paper §2.5).")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Admin token (needed to read weights).")] = "",
+    token: ReadTokenOpt = "",
     ca_file: CaFileOpt = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Windows per forward pass.")] = 256,
 ) -> None:
     """Routed held-out perplexity of a run: each document goes to one path by its prefix; the prefix is not
     scored."""
-    console = Console()
-    token = require_token(console, token)
-    with user_errors(console, *EVAL_ERRORS):
+    out = console()
+    token = resolve_token(token)
+    with user_errors(out, *EVAL_ERRORS):
         routing = load_router(router)
         documents = load_documents(corpus, split)
         tokenizer = find_tokenizer(router)
+        progress = Progress("eval")
+        progress.update(f"scoring {len(documents):,} {split} documents of run {run}", force=True)
         with connect(ctx, coordinator, token, ca_file) as client:
             result = evaluate_run(
                 client,
@@ -207,6 +234,7 @@ def eval_command(
                 every=every,
                 batch_size=batch_size,
                 tokenizer=tokenizer,
+                progress=progress,
             )
     if json_output:
         typer.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
@@ -215,6 +243,6 @@ def eval_command(
         f"run {run} ({result.extra['run_name']}), round {result.extra['round']}: {split}, prefix "
         f"{result.prefix_tokens} tokens excluded" + (f", re-routed every {every}" if every else "")
     )
-    console.print(result_table(result, title=title))
+    out.print(result_table(result, title=title))
     if result.skipped_documents:
-        console.print(f"{result.skipped_documents} document(s) had no token after the prefix and were skipped")
+        out.print(f"{result.skipped_documents} document(s) had no token after the prefix and were skipped")

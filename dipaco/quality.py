@@ -2,11 +2,17 @@
 (ARCHITECTURE §10; DiPaCo arXiv 2403.10616 Tab. 1, §2.5, §2.7).
 
 For each contender (a layout + model size) the driver creates a run on a real coordinator (`LocalService`:
-subprocess on SQLite + blob dir), registers shards of the built-in corpus routed for that layout's number of
-paths, starts one island subprocess per path (capped), waits for the run to finish, then fetches every module
-at every version over REST (`GET /v1/modules/{id}/weights?version=v`: version v is the module after round v-1,
-version 0 the initialisation) and scores the held-out split with `router.evaluate.evaluate_routed`: each
-document routed by its first 32 tokens, the prefix never scored, for every model (dense ones too).
+subprocess on SQLite + blob dir), registers shards of the corpus (the built-in one, the multilingual man pages,
+or any corpus directory) routed for that layout's number of paths, starts one island subprocess per path
+(capped), waits for the run to finish, then fetches every module at every version over REST
+(`GET /v1/modules/{id}/weights?version=v`: version v is the module after round v-1, version 0 the
+initialisation) and scores the held-out split with `router.evaluate.evaluate_routed`: each document routed by its
+first 32 tokens, the prefix never scored, for every model (dense ones too).
+
+Tokens. With `QualitySettings(tokenizer="bpe")` one byte-level BPE is trained on the train split
+(`corpus_tokenizer`, cached in the work directory) and every shard directory is cut with it, so all contenders
+share one vocabulary; the contenders' models get its `vocab_size` (`standard_contenders(vocab_size=...)`), and
+every evaluation encodes with the tokenizer saved with the shards.
 
 Why one island per path: an island keeps its AdamW state only while it trains the same path again
 (island/worker.py); with fewer islands than paths every lease restarts AdamW from zero, which the in-process
@@ -34,7 +40,7 @@ from torch import nn
 
 from coordinator.client import CoordinatorClient
 from coordinator.schemas import RunCreate
-from dipaco.evaluation import fetch_run_paths, load_documents
+from dipaco.evaluation import fetch_run_paths, find_tokenizer, load_documents
 from dipaco.router_commands import register_shards
 from dipaco.service import LocalService
 from modules import (
@@ -49,10 +55,12 @@ from modules import (
 )
 from modules.codec import GradCodec
 from modules.layout import Layout
-from router.corpus import build_local_corpus
+from router.bpe import BPETokenizer, train_bpe
+from router.corpus import MANIFEST_FILE, TRAIN_FILE, CorpusError, build_local_corpus, iter_jsonl, load_corpus_manifest
 from router.evaluate import EvalResult, SinglePathRouter, evaluate_routed
+from router.manpages import build_manpages_corpus
 from router.router import Router
-from router.shards import ROUTER_DIR, ShardOptions, load_manifest, shard_corpus
+from router.shards import ORDER_KEY, ROUTER_DIR, TOKENIZERS, ShardOptions, load_manifest, shard_corpus
 
 Tensors = dict[str, torch.Tensor]
 Log = Callable[[str], None]
@@ -121,15 +129,21 @@ def standard_contenders(
     width_factor: int = 2,
     with_4x4: bool = False,
     with_token_reference: bool = False,
+    vocab_size: int | None = None,
 ) -> list[Contender]:
     """dense-S (one path of size S), DiPaCo 2x2, flat 4 experts, dense with ~4x S params (d_model x width_factor);
     optionally DiPaCo 4x4. The blocks are split evenly between the two routed levels of a grid. `block`: the
-    transformer block style of every contender (gpt2, llama; None: the flavour's)."""
+    transformer block style of every contender (gpt2, llama; None: the flavour's). `vocab_size`: the model
+    vocabulary, e.g. a BPE tokenizer's (None: the flavour's byte vocabulary)."""
     cfg = flavour(flavour_name)
     n = cfg.n_layers
     half = n // 2
     grid = f"embed:shared, b0-{half - 1}:routed{{k}}, b{half}-{n - 1}:routed{{k}}, head:shared"
-    base: dict[str, Any] = {"flavour": flavour_name} | ({"block": block} if block else {})
+    base: dict[str, Any] = (
+        {"flavour": flavour_name}
+        | ({"block": block} if block else {})
+        | ({"vocab_size": vocab_size} if vocab_size is not None else {})
+    )
     out = [
         Contender(name="dense-S", model=base, layout=dense_layout(n)),
         Contender(name="DiPaCo 2x2", model=base, layout=grid.format(k=2), levels=(2, 2)),
@@ -176,12 +190,21 @@ class QualitySettings:
     """Also score the last round re-routing every W tokens (paper §2.5)."""
     codec: GradCodec = "int8"
     """How the islands upload their outer gradients (the run field `codec`: fp32, bf16, int8)."""
+    tokenizer: str = "byte"
+    """Shard tokens: `byte`, or `bpe` (one tokenizer of `vocab_size` trained on the train split, shared by every
+    contender; see the module doc)."""
+    vocab_size: int = 8192
+    """BPE vocabulary (with `tokenizer="bpe"`)."""
+    shuffle: bool = True
+    """Shards in a seeded random document order (`ShardOptions.shuffle`); False reproduces corpus-order shards."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.inner_steps < 1 or self.batch_size < 1 or self.eval_every < 1:
             raise ValueError("rounds, inner_steps, batch_size and eval_every must be >= 1")
         if self.routing not in ("flat", "product"):
             raise ValueError(f"routing must be 'flat' or 'product', got {self.routing!r}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {self.tokenizer!r}")
 
     def eval_rounds(self) -> list[int]:
         """Module versions scored: 0 (initialisation), every `eval_every`, and the last."""
@@ -282,26 +305,64 @@ def split_heldout(documents: Sequence[str], *, max_docs: int | None = None) -> d
     return {"val": keyed[0::2], "test": keyed[1::2]}
 
 
-def prepare_corpus(corpus_dir: Path, *, docs_per_domain: int) -> dict[str, Any]:
-    if (corpus_dir / "manifest.json").is_file():
-        import json
+BUILTIN_CORPORA = ("local", "manpages")
 
-        manifest: dict[str, Any] = json.loads((corpus_dir / "manifest.json").read_text())
-        if manifest["parameters"]["max_docs_per_domain"] == docs_per_domain:
+
+def prepare_corpus(corpus_dir: Path, *, docs_per_domain: int = 400, builtin: str = "local") -> dict[str, Any]:
+    """A built-in corpus in `corpus_dir`, reused when the one there was built with the same parameters: `local`
+    (`router.build_local_corpus`, `docs_per_domain` per domain) or `manpages` (`router.manpages`: the translated
+    manual pages, multilingual, in source order)."""
+    if builtin not in BUILTIN_CORPORA:
+        raise CorpusError(f"unknown built-in corpus {builtin!r}; use one of {', '.join(BUILTIN_CORPORA)}")
+    if (corpus_dir / MANIFEST_FILE).is_file():
+        manifest = dict(load_corpus_manifest(corpus_dir))
+        if builtin == "manpages" and "manpages" in manifest:
             return manifest
+        if builtin == "local" and manifest.get("parameters", {}).get("max_docs_per_domain") == docs_per_domain:
+            return manifest
+    if builtin == "manpages":
+        return build_manpages_corpus(corpus_dir)
     return build_local_corpus(corpus_dir, max_docs_per_domain=docs_per_domain)
 
 
-def shards_for(corpus_dir: Path, root: Path, levels: tuple[int, ...], *, routing: str, seed: int) -> Path:
-    """Shard directory for a number of paths (built once, reused): flat k-means, or product k-means per level."""
+def corpus_tokenizer(corpus_dir: Path, root: Path, settings: QualitySettings) -> BPETokenizer | None:
+    """The one BPE tokenizer of a comparison (None for byte tokens): trained on the train split once and cached
+    in `root` under the corpus manifest's hash, so every shard directory (and a later run) cuts the same tokens."""
+    if settings.tokenizer != "bpe":
+        return None
+    digest = hashlib.sha256((corpus_dir / MANIFEST_FILE).read_bytes()).hexdigest()[:16]
+    path = root / f"tokenizer-bpe{settings.vocab_size}-{digest}.json"
+    if path.is_file():
+        return BPETokenizer.load(path)
+    tok = train_bpe((str(d["text"]) for d in iter_jsonl(corpus_dir / TRAIN_FILE)), vocab_size=settings.vocab_size)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tok.save(tmp)
+    tmp.replace(path)
+    return tok
+
+
+def shards_for(corpus_dir: Path, root: Path, levels: tuple[int, ...], settings: QualitySettings) -> Path:
+    """Shard directory for a number of paths (built once, reused while its manifest matches the settings): flat
+    k-means, or product k-means per level; shuffled unless `settings.shuffle` is off; BPE with the comparison's
+    one tokenizer (`corpus_tokenizer`)."""
     num_paths = math.prod(levels) if levels else 1
-    product = routing == "product" and len(levels) >= 2
-    out = root / (f"shards-{'x'.join(map(str, levels))}-product" if product else f"shards-{num_paths}")
+    product = settings.routing == "product" and len(levels) >= 2
+    name = f"shards-{'x'.join(map(str, levels))}-product" if product else f"shards-{num_paths}"
+    name += f"-bpe{settings.vocab_size}" if settings.tokenizer == "bpe" else ""
+    name += "" if settings.shuffle else "-corpus-order"
+    out = root / name
+    tok = corpus_tokenizer(corpus_dir, root, settings)
     if (out / "manifest.json").is_file():
-        load_manifest(out)
-        return out
-    options = ShardOptions(num_paths=num_paths, seed=seed, levels=list(levels) if product else None)
-    shard_corpus(corpus_dir, out, options)
+        manifest = load_manifest(out)
+        order = {"shuffled": True, "seed": settings.seed, "key": ORDER_KEY} if settings.shuffle else {"shuffled": False}
+        corpus_sha256 = hashlib.sha256((corpus_dir / MANIFEST_FILE).read_bytes()).hexdigest()
+        if manifest["corpus_manifest_sha256"] == corpus_sha256 and manifest.get("order") == order:
+            return out
+    options = ShardOptions(
+        num_paths=num_paths, seed=settings.seed, levels=list(levels) if product else None, shuffle=settings.shuffle
+    )
+    shard_corpus(corpus_dir, out, options, tokenizer=tok)
     return out
 
 
@@ -415,8 +476,11 @@ def _score(
     *,
     context: int,
     every: int | None = None,
+    tokenizer: BPETokenizer | None = None,
 ) -> EvalResult:
-    return evaluate_routed(paths, router, docs, prefix_tokens=router.prefix_tokens, context=context, every=every)
+    return evaluate_routed(
+        paths, router, docs, prefix_tokens=router.prefix_tokens, context=context, every=every, tokenizer=tokenizer
+    )
 
 
 def _per_path(result: EvalResult) -> list[tuple[float, int]]:
@@ -431,9 +495,11 @@ def evaluate_run_rounds(
     halves: dict[str, list[str]],
     rounds: Sequence[int],
     reroute_every: int | None = None,
+    tokenizer: BPETokenizer | None = None,
 ) -> tuple[list[dict[str, list[tuple[float, int]]]], float | None]:
     """Score the run's paths at each module version in `rounds` on each held-out half; optionally the last
-    version again with re-routing every W tokens (full held-out). Returns (per-round halves, re-routed ppl)."""
+    version again with re-routing every W tokens (full held-out). `tokenizer`: the shards' BPE (None: bytes).
+    Returns (per-round halves, re-routed ppl)."""
     run_paths = fetch_run_paths(client, run_id)
     weights = VersionedWeights(client)
     cfg = run_paths.config
@@ -444,10 +510,17 @@ def evaluate_run_rounds(
         def build(p: int, version: int = version) -> nn.Module:
             return build_path(cfg, [weights.get(m.id, version) for m in run_paths.modules[p]])
 
-        out.append({h: _per_path(_score(build, router, docs, context=cfg.seq_len)) for h, docs in halves.items()})
+        out.append(
+            {
+                h: _per_path(_score(build, router, docs, context=cfg.seq_len, tokenizer=tokenizer))
+                for h, docs in halves.items()
+            }
+        )
         if version == rounds[-1] and reroute_every is not None and router.num_paths > 1:
             docs = [d for h in HALVES for d in halves[h]]
-            reroute = _score(build, router, docs, context=cfg.seq_len, every=reroute_every).perplexity
+            reroute = _score(
+                build, router, docs, context=cfg.seq_len, every=reroute_every, tokenizer=tokenizer
+            ).perplexity
         weights.forget_before(version)
     return out, reroute
 
@@ -459,17 +532,30 @@ def evaluate_modules(
     *,
     router: Router | SinglePathRouter,
     documents: list[str],
+    tokenizer: BPETokenizer | None = None,
 ) -> EvalResult:
     """Routed held-out evaluation of in-memory modules (`modules[level][module]`, e.g. from the simulator)."""
 
     def build(p: int) -> nn.Module:
         return build_path(cfg, [modules[lv][m] for lv, m in enumerate(layout.path_modules(p))])
 
-    return _score(build, router, documents, context=cfg.seq_len)
+    return _score(build, router, documents, context=cfg.seq_len, tokenizer=tokenizer)
 
 
 def router_for(contender: Contender, shards_dir: Path) -> Router | SinglePathRouter:
     return Router.load(shards_dir / ROUTER_DIR) if contender.num_paths > 1 else SinglePathRouter()
+
+
+def shard_tokenizer(shards_dir: Path, contender: Contender) -> BPETokenizer | None:
+    """The tokenizer saved with the shards (None: bytes), checked against the contender's model vocabulary."""
+    tokenizer = find_tokenizer(shards_dir)
+    vocab = tokenizer.vocab_size if tokenizer is not None else 257
+    if vocab > contender.config().vocab_size:
+        raise ValueError(
+            f"{contender.name}: the shards in {shards_dir} have {vocab} token ids, the model only "
+            f"{contender.config().vocab_size}; build the contenders with standard_contenders(vocab_size={vocab})"
+        )
+    return tokenizer
 
 
 # --------------------------------------------------------------------------------------------- the driver
@@ -488,7 +574,8 @@ def measure(
     log: Log = lambda s: None,
 ) -> ModelResult:
     """Train one contender through the service (unless `run_id` names a finished run of it) and score it."""
-    shards_dir = shards_for(corpus_dir, workdir, contender.levels, routing=settings.routing, seed=settings.seed)
+    shards_dir = shards_for(corpus_dir, workdir, contender.levels, settings)
+    tokenizer = shard_tokenizer(shards_dir, contender)
     t0 = time.monotonic()
     if run_id is None:
         run_id = train_contender(service, contender, shards_dir, settings, workdir=workdir, tag=tag, log=log)
@@ -500,7 +587,13 @@ def measure(
     torch.set_num_threads(settings.eval_threads)
     try:
         per_round, reroute = evaluate_run_rounds(
-            service.client, run_id, router=router, halves=halves, rounds=rounds, reroute_every=settings.reroute_every
+            service.client,
+            run_id,
+            router=router,
+            halves=halves,
+            rounds=rounds,
+            reroute_every=settings.reroute_every,
+            tokenizer=tokenizer,
         )
     finally:
         torch.set_num_threads(threads)
@@ -614,7 +707,8 @@ def cross_check(
 ) -> CrossCheck:
     """Re-train `contender` with the in-process simulator on the same shards and settings (one torch thread, as
     the islands) and compare final held-out perplexity (both halves) and per-round train loss."""
-    shards_dir = shards_for(corpus_dir, workdir, contender.levels, routing=settings.routing, seed=settings.seed)
+    shards_dir = shards_for(corpus_dir, workdir, contender.levels, settings)
+    tokenizer = shard_tokenizer(shards_dir, contender)
     cfg, layout = contender.config(), contender.parsed_layout()
     inner = InnerConfig(
         batch_size=settings.batch_size,
@@ -642,7 +736,9 @@ def cross_check(
     if documents is None:
         halves = split_heldout(load_documents(corpus_dir, "heldout"), max_docs=settings.eval_docs)
         documents = [d for h in HALVES for d in halves[h]]
-    ev = evaluate_modules(cfg, layout, sim.modules, router=router_for(contender, shards_dir), documents=documents)
+    ev = evaluate_modules(
+        cfg, layout, sim.modules, router=router_for(contender, shards_dir), documents=documents, tokenizer=tokenizer
+    )
     return CrossCheck(
         name=contender.name,
         service_ppl=result.final_ppl,

@@ -1,12 +1,22 @@
-"""Tables, plot and target checks of a quality comparison (the quality targets are in docs/QUALITY.md)."""
+"""Tables, plot, self-checks and target checks of a quality comparison (targets and checks: docs/QUALITY.md).
+
+The report checks its own inputs before it judges a target (`sanity_flags`): a number that cannot be right is
+flagged, and a target whose inputs are flagged is never shown as met. The checks catch what went wrong before
+(a dense model trained on a corpus given in blocks of languages, its perplexity up and down by 2x between rounds,
+a 2x2 "beating" it by 10x): held-out perplexity that rises between scored rounds by more than `RISE_LIMIT`, a
+final perplexity outside [`RATIO_LOW`, `RATIO_HIGH`] x dense-S, an early-stopped test perplexity more than
+`EARLY_STOP_GAP` below the final one (the model got much worse late), and a perplexity that is not a finite
+number."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from dipaco.quality import CrossCheck, ModelResult
@@ -18,6 +28,16 @@ RATIO_TARGET = 0.85
 """DiPaCo 2x2 perplexity <= this x dense-S (same steps per path)."""
 GAP_TARGET = 0.50
 """DiPaCo 2x2 closes at least this share of the dense-S -> wide-dense perplexity gap."""
+RISE_LIMIT = 0.10
+"""Held-out perplexity may rise by at most this fraction from one scored round to the next. Rounds of a healthy
+run bring it down (at worst a few % of noise once it has converged); a rise past 10 % means the data (e.g. a shard
+read in blocks of domains) or the optimisation is broken."""
+RATIO_LOW, RATIO_HIGH = 0.5, 2.0
+"""A model's final perplexity / dense-S's outside this range is implausible at the same steps per path: DiPaCo's
+own gains are tens of %, and a wider dense model is never 2x worse. One of the two did not learn the corpus."""
+EARLY_STOP_GAP = 0.10
+"""Per-path early stopping may beat the final test perplexity by at most this fraction: more means the model
+was much better some rounds ago, so its final number is not what it learned."""
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -28,17 +48,29 @@ def find(results: Sequence[ModelResult], name: str) -> ModelResult | None:
     return next((r for r in results if r.name == name), None)
 
 
-def wide_dense(results: Sequence[ModelResult]) -> ModelResult | None:
-    """The larger dense baseline (one path, more parameters per path than dense-S)."""
+def _wider(results: Sequence[ModelResult]) -> list[ModelResult]:
+    """Dense baselines larger than dense-S: one path, more parameters per path."""
     small = find(results, DENSE_S)
-    return next(
-        (
-            r
-            for r in results
-            if r.num_paths == 1 and r.name != DENSE_S and (small is None or r.path_params > small.path_params)
-        ),
-        None,
-    )
+    return [
+        r
+        for r in results
+        if r.num_paths == 1 and r.name != DENSE_S and (small is None or r.path_params > small.path_params)
+    ]
+
+
+def wide_dense(results: Sequence[ModelResult]) -> ModelResult | None:
+    """The larger dense baseline trained like dense-S (the same steps per path): the gap target's reference."""
+    small = find(results, DENSE_S)
+    return next((r for r in _wider(results) if small is None or r.steps_per_path == small.steps_per_path), None)
+
+
+def token_reference(results: Sequence[ModelResult]) -> ModelResult | None:
+    """The larger dense baseline trained on more steps than dense-S (e.g. the 2x2's total tokens): reported for
+    reference, never judged."""
+    small = find(results, DENSE_S)
+    if small is None:
+        return None
+    return next((r for r in _wider(results) if r.steps_per_path > small.steps_per_path), None)
 
 
 def comparison_table(results: Sequence[ModelResult], *, title: str = "held-out routed perplexity") -> Table:
@@ -91,21 +123,109 @@ def rounds_table(results: Sequence[ModelResult]) -> Table:
 
 
 @dataclass(frozen=True, slots=True)
+class Flag:
+    """A result the report does not believe."""
+
+    model: str
+    check: str
+    """`rising`, `ratio`, `early_stop` or `not_finite`."""
+    detail: str
+
+
+def sanity_flags(results: Sequence[ModelResult]) -> list[Flag]:
+    """Every implausible number among the results (see the module doc), in result order."""
+    flags: list[Flag] = []
+    base = find(results, DENSE_S)
+    for r in results:
+        ppls = r.ppl_per_round
+        if not all(math.isfinite(x) for x in (*ppls, r.final_test_ppl, r.early_stopped_test_ppl)):
+            flags.append(Flag(r.name, "not_finite", "a perplexity is not a finite number (no token scored, or NaN)"))
+            continue
+        for i in range(1, len(ppls)):
+            (a, pa), (b, pb) = (r.rounds[i - 1], ppls[i - 1]), (r.rounds[i], ppls[i])
+            if pb > pa * (1 + RISE_LIMIT):
+                flags.append(
+                    Flag(
+                        r.name,
+                        "rising",
+                        f"held-out perplexity rose {pb / pa - 1:+.0%} from round {a} ({pa:.2f}) to round {b} "
+                        f"({pb:.2f}); more than {RISE_LIMIT:.0%} means the model is not learning the corpus (shards "
+                        "read in blocks of domains? too high a learning rate?)",
+                    )
+                )
+        if base is not None and r is not base and math.isfinite(base.final_ppl):
+            ratio = r.final_ppl / base.final_ppl
+            if not RATIO_LOW <= ratio <= RATIO_HIGH:
+                flags.append(
+                    Flag(
+                        r.name,
+                        "ratio",
+                        f"final perplexity {ratio:.3f}x {DENSE_S}'s ({r.final_ppl:.2f} vs {base.final_ppl:.2f}): "
+                        f"outside [{RATIO_LOW}, {RATIO_HIGH}], so one of the two did not learn the corpus",
+                    )
+                )
+        if r.early_stopped_test_ppl < r.final_test_ppl * (1 - EARLY_STOP_GAP):
+            flags.append(
+                Flag(
+                    r.name,
+                    "early_stop",
+                    f"early-stopped test perplexity {r.early_stopped_test_ppl:.2f} is "
+                    f"{1 - r.early_stopped_test_ppl / r.final_test_ppl:.0%} below the final {r.final_test_ppl:.2f}: "
+                    "the model got much worse late in training",
+                )
+            )
+    return flags
+
+
+def flags_table(flags: Sequence[Flag]) -> Table:
+    table = Table(title="results the report does not believe (targets on them are not judged met)")
+    for col in ("model", "check", "why"):
+        table.add_column(col)
+    for f in flags:
+        table.add_row(f.model, f.check, escape(f.detail))
+    return table
+
+
+@dataclass(frozen=True, slots=True)
 class Target:
     name: str
     value: float | None
     goal: str
     met: bool
+    """False too when the target cannot be judged (`value` None): a benchmark that cannot judge it has failed."""
+    why: str = ""
+    """Why `value` is None: what is missing or undefined."""
+    flagged: tuple[str, ...] = ()
+    """Models among the target's inputs that `sanity_flags` does not believe: `met` is then False."""
+    inputs: tuple[str, ...] = ()
+    """The models the target is computed from."""
+    judged: bool = True
+    """False: reported for reference only (a benchmark does not fail on it)."""
 
 
 def targets(results: Sequence[ModelResult]) -> list[Target]:
-    """Issue 7's targets on the final held-out perplexity: 2x2 <= 0.85x dense-S; 2x2 closes >= 50 % of the dense-S
-    -> wide-dense gap; 4x4 < 2x2 (only when a 4x4 was run). A missing model or an undefined gap is a miss."""
-    base, two, wide, four = (
+    """The quality targets (docs/QUALITY.md) on the final held-out perplexity: 2x2 <= 0.85x dense-S; 2x2 closes
+    >= 50 % of the dense-S -> wide-dense gap; 4x4 < 2x2 (only when a 4x4 was run). A missing model or an undefined
+    gap cannot be judged: `met` is False and `why` says what is missing. A target whose inputs are flagged by
+    `sanity_flags` is never met (`flagged` names them)."""
+    suspect = {f.model for f in sanity_flags(results)}
+    return [_believed(t, suspect) for t in _targets(results)]
+
+
+def _believed(target: Target, suspect: set[str]) -> Target:
+    flagged = tuple(name for name in target.inputs if name in suspect)
+    if not flagged:
+        return target
+    return dataclasses.replace(target, met=False, flagged=flagged)
+
+
+def _targets(results: Sequence[ModelResult]) -> list[Target]:
+    base, two, wide, four, reference = (
         find(results, DENSE_S),
         find(results, DIPACO_2X2),
         wide_dense(results),
         find(results, DIPACO_4X4),
+        token_reference(results),
     )
     out = []
     ratio = two.final_ppl / base.final_ppl if two and base else None
@@ -115,23 +235,69 @@ def targets(results: Sequence[ModelResult]) -> list[Target]:
             ratio,
             f"<= {RATIO_TARGET}",
             ratio is not None and ratio <= RATIO_TARGET,
+            "" if ratio is not None else _missing(base=base, two=two),
+            inputs=(DENSE_S, DIPACO_2X2),
         )
     )
-    gap: float | None = None
-    if two and base and wide and base.final_ppl > wide.final_ppl:
-        gap = (base.final_ppl - two.final_ppl) / (base.final_ppl - wide.final_ppl)
-    out.append(
-        Target(
-            f"share of the {DENSE_S} -> {wide.name if wide else 'wide dense'} gap closed by {DIPACO_2X2}",
-            gap,
-            f">= {GAP_TARGET:.2f}",
-            gap is not None and gap >= GAP_TARGET,
+    if wide is not None or reference is None:  # only a token reference: its gap is reported below, not judged
+        gap, why = _gap(base, two, wide)
+        out.append(
+            Target(
+                f"share of the {DENSE_S} -> {wide.name if wide else 'wide dense'} gap closed by {DIPACO_2X2}",
+                gap,
+                f">= {GAP_TARGET:.2f}",
+                gap is not None and gap >= GAP_TARGET,
+                why,
+                inputs=(DENSE_S, DIPACO_2X2, *([wide.name] if wide else [])),
+            )
         )
-    )
     if four is not None:
         rel = four.final_ppl / two.final_ppl if two else None
-        out.append(Target(f"{DIPACO_4X4} / {DIPACO_2X2} perplexity", rel, "< 1", rel is not None and rel < 1))
+        out.append(
+            Target(
+                f"{DIPACO_4X4} / {DIPACO_2X2} perplexity",
+                rel,
+                "< 1",
+                rel is not None and rel < 1,
+                "" if rel is not None else f"no {DIPACO_2X2} result",
+                inputs=(DIPACO_2X2, DIPACO_4X4),
+            )
+        )
+    if reference is not None:
+        gap, why = _gap(base, two, reference)
+        out.append(
+            Target(
+                f"share of the {DENSE_S} -> {reference.name} gap closed by {DIPACO_2X2} (reference: "
+                f"{reference.steps_per_path} steps)",
+                gap,
+                "reported",
+                False,
+                why,
+                inputs=(DENSE_S, DIPACO_2X2, reference.name),
+                judged=False,
+            )
+        )
     return out
+
+
+def _gap(base: ModelResult | None, two: ModelResult | None, wide: ModelResult | None) -> tuple[float | None, str]:
+    """(share of the dense-S -> wide perplexity gap closed by the 2x2, or None with why it is undefined)."""
+    why = _missing(base=base, two=two)
+    if wide is None:
+        return None, why or "no wider dense model was trained"
+    if base is not None and base.final_ppl <= wide.final_ppl:
+        return None, why or (
+            f"the wider dense model ended no better than {DENSE_S} ({_fmt(wide.final_ppl)} vs "
+            f"{_fmt(base.final_ppl)}): there is no gap to close (too few steps for the wider model)"
+        )
+    if two is None or base is None:
+        return None, why
+    return (base.final_ppl - two.final_ppl) / (base.final_ppl - wide.final_ppl), ""
+
+
+def _missing(*, base: ModelResult | None, two: ModelResult | None) -> str:
+    names = [name for name, r in ((DENSE_S, base), (DIPACO_2X2, two)) if r is None]
+    return f"no {' or '.join(names)} result" if names else ""
 
 
 def targets_table(items: Sequence[Target]) -> Table:
@@ -139,8 +305,21 @@ def targets_table(items: Sequence[Target]) -> Table:
     for col in ("target", "value", "goal", "met"):
         table.add_column(col)
     for t in items:
-        table.add_row(t.name, _fmt(t.value, ".3f"), t.goal, "[green]yes[/]" if t.met else "[red]NO[/]")
+        if t.flagged:
+            met = f"[yellow]not judged, inputs flagged:[/] {escape(', '.join(t.flagged))}"
+        elif t.value is None:
+            met = f"[yellow]cannot judge:[/] {escape(t.why or 'no value')}"
+        elif not t.judged:
+            met = "reference"
+        else:
+            met = "[green]yes[/]" if t.met else "[red]NO[/]"
+        table.add_row(t.name, _fmt(t.value, ".3f"), t.goal, met)
     return table
+
+
+def all_met(items: Sequence[Target]) -> bool:
+    """Every judged target met (a flagged or unjudgeable one is not)."""
+    return all(t.met for t in items if t.judged)
 
 
 def cross_check_table(checks: Sequence[CrossCheck]) -> Table:

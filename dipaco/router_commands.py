@@ -5,6 +5,11 @@
   streamed from disk), checking that the coordinator stored what the manifest says;
 * `refit`: discriminative re-routing (DiPaCo §2.4.2): score held-out documents under every path of a run, label
   each with its best path, fit a linear router to the labels with balanced shares, save it.
+
+Both follow the tokenizer the shards were cut with: `refit` scores with the `tokenizer.json` found with the router
+(as `dipaco eval`), copies it next to the refit router (so `dipaco eval --router OUT` finds it) and re-shards
+with it. Held-out slices (`--heldout-docs-per-shard`) stay with the shard directory: the coordinator has no
+endpoint that stores them, so `register` says so instead of dropping them silently.
 """
 
 from __future__ import annotations
@@ -14,14 +19,24 @@ from typing import Annotated
 
 import numpy as np
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from coordinator.cli_options import CaFileOpt
+from coordinator.cli_options import AdminTokenOpt, CaFileOpt, ReadTokenOpt, console, resolve_token
 from coordinator.client import ClientError, CoordinatorClient
-from coordinator.schemas import ShardPublic
-from dipaco.commands import connect, require_token
-from dipaco.evaluation import EVAL_ERRORS, EvalError, fetch_run_paths, load_documents, load_router
+from coordinator.schemas import RunPublic, ShardPublic
+from coordinator.states import RunStatus
+from dipaco.commands import connect
+from dipaco.evaluation import (
+    EVAL_ERRORS,
+    EvalError,
+    check_vocab,
+    fetch_run_paths,
+    find_tokenizer,
+    load_documents,
+    load_router,
+)
+from dipaco.progress import Progress
+from router.bpe import TOKENIZER_FILE
 from router.corpus import CorpusError
 from router.refit import refit_report, refit_router, score_all_paths
 from router.router import RouterError
@@ -57,23 +72,52 @@ def register_command(
     shards: Annotated[Path, typer.Option(help="Shard directory (from `shard`).")],
     coordinator: Annotated[str, typer.Option(help="Coordinator base URL, e.g. http://127.0.0.1:8000.")],
     run: Annotated[int, typer.Option(help="Run id to attach the shards to.")],
-    token: Annotated[str, typer.Option(envvar="DIPACO_ADMIN_TOKEN", help="Admin bearer token.")] = "",
+    token: AdminTokenOpt = "",
     ca_file: CaFileOpt = None,
 ) -> None:
-    """Upload the shards to a run on the coordinator (one POST per path)."""
-    console = Console()
-    token = require_token(console, token, admin=True)
+    """Upload the shards to a run on the coordinator (one POST per path); the last one starts the run."""
+    out = console()
+    token = resolve_token(token, admin=True)
     with (
-        user_errors(console, ShardError, RegistrationError, ClientError),
+        user_errors(out, ShardError, RegistrationError, ClientError),
         connect(ctx, coordinator, token, ca_file) as client,
     ):
         records = register_shards(shards, client=client, run_id=run)
+        state = client.run(run)
     table = Table(title=f"shards of run {run}")
     for column in ("path", "shard id", "tokens", "documents"):
         table.add_column(column, justify="right")
     for r in records:
         table.add_row(str(r.path_index), str(r.id), f"{r.num_tokens:,}", str(r.num_documents))
-    console.print(table)
+    out.print(table)
+    out.print(run_state(state), highlight=False)
+    note = heldout_note(load_manifest(shards), shards)
+    if note:
+        out.print(note, highlight=False)
+
+
+def heldout_note(manifest: dict[str, object], shards_dir: Path) -> str:
+    """What `register` did not upload: the per-shard held-out slices, which the coordinator cannot store yet."""
+    held = manifest.get("heldout_docs_per_shard")
+    if not held:
+        return ""
+    return (
+        f"not uploaded: the held-out slices ({held} documents per shard, path-XXXX.heldout.tokens) stay in "
+        f"{shards_dir}; the coordinator has no endpoint for them yet, so early stopping on them is done "
+        "locally (`dipaco eval`, `bench/quality.py`)"
+    )
+
+
+def run_state(run: RunPublic) -> str:
+    """What registering shards left the run doing, in a sentence."""
+    if run.status == RunStatus.RUNNING:
+        return (
+            f"run {run.id} {run.name!r} is running: round {run.current_round} of {run.num_rounds} is open; "
+            "islands that join get its paths"
+        )
+    if run.status == RunStatus.WAITING_FOR_SHARDS:
+        return f"run {run.id} {run.name!r} still waits for shards: every one of its {run.num_paths} paths needs one"
+    return f"run {run.id} {run.name!r} is {run.status}"
 
 
 def refit_command(
@@ -82,9 +126,9 @@ def refit_command(
     run: Annotated[int, typer.Option(help="Run id whose paths score the documents (current module versions).")],
     router: Annotated[Path, typer.Option(help="Base router directory, or the shard directory holding router/.")],
     corpus: Annotated[Path, typer.Option(help="Corpus directory (from `corpus`).")],
-    out: Annotated[Path, typer.Option(help="Directory for the refit router (router.json + safetensors).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Directory for the refit router (router.json + safetensors).")],
     split: Annotated[str, typer.Option(help="Router-held-out documents: reads SPLIT.jsonl in the corpus.")] = "heldout",
-    token: Annotated[str, typer.Option(envvar="DIPACO_TOKEN", help="Admin token (needed to read weights).")] = "",
+    token: ReadTokenOpt = "",
     ca_file: CaFileOpt = None,
     min_share: Annotated[float, typer.Option(min=0.0, max=1.0, help="Least routed share / target share.")] = 0.5,
     max_share: Annotated[float, typer.Option(min=1.0, help="Most routed share / target share.")] = 2.0,
@@ -96,49 +140,70 @@ def refit_command(
 ) -> None:
     """Discriminative re-routing (§2.4.2): score the held-out documents under every path of the run, label each
     with its best path, fit a linear router to the labels with balanced shares, save it."""
-    console = Console()
-    token = require_token(console, token)
-    with user_errors(console, CorpusError, RouterError, ShardError, *EVAL_ERRORS):
+    out = console()
+    token = resolve_token(token)
+    with user_errors(out, CorpusError, RouterError, ShardError, *EVAL_ERRORS):
         base = load_router(router)
+        tokenizer = find_tokenizer(router)
         documents = load_documents(corpus, split)
+        progress = Progress("refit")
+        progress.update(f"scoring {len(documents):,} {split} documents under every path of run {run}", force=True)
         with connect(ctx, coordinator, token, ca_file) as client:
-            run_paths = fetch_run_paths(client, run)
+            run_paths = fetch_run_paths(client, run, on_fetch=progress.fetched)
             if run_paths.num_paths != base.num_paths:
                 raise EvalError(f"the router has {base.num_paths} paths, run {run} has {run_paths.num_paths}")
+            check_vocab(tokenizer, run_paths.config, run_id=run)
             losses = score_all_paths(
-                run_paths.build,
+                progress.watch_paths(run_paths.build, num_paths=run_paths.num_paths),
                 documents,
                 num_paths=run_paths.num_paths,
                 prefix_tokens=base.prefix_tokens,
                 context=run_paths.config.seq_len,
                 batch_size=batch_size,
+                tokenizer=tokenizer,
             )
+        progress.update("fitting the router to each document's best path", force=True)
         new = refit_router(losses, documents, base, min_share=min_share, max_share=max_share, seed=seed)
-        new.save(out)
-        scored = [max(0, len(d.encode("utf-8")) + 1 - base.prefix_tokens) for d in documents]
+        new.save(out_dir)
+        if tokenizer is not None:  # `dipaco eval --router OUT` then scores with the same tokens
+            tokenizer.save(out_dir / TOKENIZER_FILE)
+        lengths = [len(tokenizer.encode(d)) if tokenizer is not None else len(d.encode("utf-8")) for d in documents]
+        scored = [max(0, n + 1 - base.prefix_tokens) for n in lengths]
         report = refit_report(losses, documents, base, new, weights=np.asarray(scored, dtype=np.float64))
         manifest = None
         if shards_out is not None:
+            progress.update(f"re-sharding the train split into {shards_out}", force=True)
             options = ShardOptions(num_paths=base.num_paths, prefix_tokens=base.prefix_tokens, seed=seed)
-            manifest = shard_corpus(corpus, shards_out, options, router=new)
-    table = Table(title=f"refit router of run {run} in {out}: {report.documents} {split} documents")
+            manifest = shard_corpus(corpus, shards_out, options, router=new, tokenizer=tokenizer)
+    table = Table(title=f"refit router of run {run} in {out_dir}: {report.documents} {split} documents")
     for column in ("path", "best here", "base route", "refit route"):
         table.add_column(column, justify="right")
     for p in range(base.num_paths):
         table.add_row(
             str(p), str(report.label_histogram[p]), str(report.base_histogram[p]), str(report.new_histogram[p])
         )
-    console.print(table)
-    console.print(f"{report.changed} of {report.documents} documents change path")
-    console.print(
+    out.print(table)
+    out.print(f"{report.changed} of {report.documents} documents change path")
+    out.print(
         f"routed {split} perplexity: base {report.base_perplexity:.3f} -> refit {report.new_perplexity:.3f} "
         f"(every document on its best path: {report.oracle_perplexity:.3f}; measured on the documents the refit "
         "was fitted on)"
     )
     if manifest is not None:
         shares = manifest["balance"]["token_shares"]
-        console.print(
+        out.print(
             f"re-sharded the train split into {shards_out}: moved {manifest['balance']['moved_documents']} "
             f"documents while balancing, token share per shard / fair share {min(shares):.2f} to "
             f"{max(shares):.2f}, purity {manifest['purity']:.3f}"
+        )
+        out.print(
+            f"next: create a run like run {run}, register these shards with it (`dipaco router register --shards "
+            f"{shards_out} --run NEW_ID ...`), train it, and evaluate it with `--router {out_dir}`",
+            highlight=False,
+        )
+    else:
+        out.print(
+            f"next: `--shards-out DIR` re-shards the train split with this router for a new run; `dipaco eval "
+            f"--router {out_dir}` routes an evaluation with it",
+            highlight=False,
         )

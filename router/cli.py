@@ -5,6 +5,7 @@ in `dipaco.cli`."""
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Annotated, cast
 
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from router.corpus import CorpusError, build_local_corpus
+from router.manpages import build_manpages_corpus
 from router.model_features import FeaturizerError, load_exported
 from router.router import RouterError
 from router.shards import ShardError, ShardOptions, shard_corpus
@@ -24,8 +26,16 @@ app = typer.Typer(
 )
 
 
+WIDE_COLUMNS = 200
+"""Width when stdout is not a terminal and $COLUMNS does not say (the rule of `coordinator.cli_options.console`;
+`router/` imports nothing from the coordinator): Rich's default of 80 would cut table cells."""
+
+
 def _console() -> Console:
-    return Console()
+    out = Console()
+    if out.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return out
+    return Console(width=WIDE_COLUMNS)
 
 
 ROUTER_ERRORS = (CorpusError, RouterError, ShardError, FeaturizerError)
@@ -51,11 +61,44 @@ def corpus(
         str | None, typer.Option("--format", help="txt, jsonl or parquet (default: from the file names).")
     ] = None,
     text_field: Annotated[str, typer.Option(help="JSON field / parquet column holding the text.")] = "text",
+    domain_field: Annotated[
+        str | None,
+        typer.Option(
+            help="JSON field / parquet column holding each document's domain (e.g. lang): the per-domain counts "
+            "and the shards' purity. Default: a 'domain' field where present, else the file name."
+        ),
+    ] = None,
     heldout_fraction: Annotated[float, typer.Option(min=0.0, max=0.99, help="Share of held-out documents.")] = 0.1,
+    builtin: Annotated[
+        str,
+        typer.Option(
+            help="Without --from: 'local' (Python, C headers, man pages, licences, changelogs) or 'manpages' (the "
+            "translated manual pages installed here, one language after the other: a multilingual corpus in "
+            "source order; apt-get install manpages-de manpages-fr ... adds languages)."
+        ),
+    ] = "local",
+    languages: Annotated[
+        str | None,
+        typer.Option(help="With --builtin manpages: comma-separated languages, e.g. de,fr,ru (default: all found)."),
+    ] = None,
 ) -> None:
-    """Build a corpus: the local multi-domain one from text found on this machine, or yours with --from."""
+    """Build a corpus: a built-in one from text found on this machine, or yours with --from."""
     with _user_errors():
-        if source is None:
+        if source is not None and (builtin != "local" or languages):
+            raise CorpusError("--from builds your corpus; --builtin and --languages choose a built-in one: not both")
+        if source is None and domain_field is not None:
+            raise CorpusError("--domain-field names a field of your documents: use it with --from")
+        if source is None and builtin == "manpages":
+            manifest = build_manpages_corpus(
+                out,
+                languages=[x.strip() for x in languages.split(",") if x.strip()] if languages else None,
+                heldout_fraction=heldout_fraction,
+            )
+        elif source is None:
+            if builtin != "local":
+                raise CorpusError(f"unknown built-in corpus {builtin!r}; use local or manpages")
+            if languages:
+                raise CorpusError("--languages is for --builtin manpages")
             manifest = build_local_corpus(
                 out, max_docs_per_domain=max_docs_per_domain, heldout_fraction=heldout_fraction
             )
@@ -67,6 +110,7 @@ def corpus(
                 out,
                 fmt=cast(Format | None, fmt),  # checked against FORMATS just above
                 text_field=text_field,
+                domain_field=domain_field,
                 heldout_fraction=heldout_fraction,
             )
     table = Table(title=f"corpus in {out}")
@@ -95,6 +139,11 @@ def corpus(
     )
     console = _console()
     console.print(table)
+    if manifest.get("without_domain_field"):
+        console.print(
+            f"[yellow]{manifest['without_domain_field']} document(s) have no {domain_field!r} field:[/yellow] "
+            "their domain is their file's name"
+        )
     if manifest["missing_domains"]:
         missing = ", ".join(manifest["missing_domains"])
         console.print(f"[yellow]domains with no files here:[/yellow] {missing}")
@@ -130,6 +179,13 @@ def shard(
         str, typer.Option(help="byte, or bpe (trained on the train split, saved as tokenizer.json).")
     ] = "byte",
     vocab_size: Annotated[int, typer.Option(min=257, max=65535, help="BPE vocabulary size.")] = 8192,
+    shuffle: Annotated[
+        bool,
+        typer.Option(
+            help="Write every shard in a seeded random order of its documents (--seed), so that any prefix of a "
+            "shard is a fair sample of it whatever the corpus order; --no-shuffle keeps corpus order."
+        ),
+    ] = True,
     features_model: Annotated[
         Path | None,
         typer.Option(
@@ -156,6 +212,7 @@ def shard(
             overlap_top2=overlap_top2,
             tokenizer=tokenizer,
             vocab_size=vocab_size,
+            shuffle=shuffle,
         )
         manifest = shard_corpus(corpus, out, options, featurizer=featurizer)
     table = Table(title=f"{paths} shards in {out}")
@@ -177,6 +234,12 @@ def shard(
     shares = manifest["balance"]["token_shares"]
     note = "" if manifest["balance"]["satisfied"] or not balance else " [yellow](outside the bounds)[/yellow]"
     console.print(f"token share per shard / fair share: {min(shares):.2f} to {max(shares):.2f}{note}")
+    order = manifest["order"]
+    console.print(
+        f"documents in a random order seeded by {order['seed']} in every shard"
+        if order["shuffled"]
+        else "documents in corpus order in every shard (--no-shuffle)"
+    )
     if heldout_docs_per_shard:
         console.print(f"held out {heldout_docs_per_shard} documents per shard (path-XXXX.heldout.tokens)")
     if overlap_top2:

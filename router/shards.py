@@ -1,13 +1,26 @@
 """Shards: the train split routed to one token file per path, plus the router and a manifest (written last).
 
-Each shard `path-{i:04d}.tokens` holds the byte tokens of its documents (in corpus order), each followed by EOS,
-as little-endian uint16. The output is byte-for-byte deterministic for the same corpus and options. The
-manifest records the purity by domain (and that of a random assignment of the same sizes), the product k-means
-levels, and the balance: each shard's token share relative to the fair share, before and after balancing.
+Each shard `path-{i:04d}.tokens` holds the byte tokens of its documents, each followed by EOS, as little-endian
+uint16. The output is byte-for-byte deterministic for the same corpus and options. The manifest records the
+purity by domain (and that of a random assignment of the same sizes), the product k-means levels, the balance
+(each shard's token share relative to the fair share, before and after balancing) and the document order.
+
+Order. Islands read a shard front to back (the data cursor of a run), so whatever order the documents are
+written in is the order a path learns them in. Corpora often come in source order (all of one language, then the
+next; one crawl after another): written in that order, every round of a path, and of a dense run's single
+shard, sees one block of the corpus and forgets the one before. So by default (`shuffle=True`) every file (each
+path's training shard and held-out slice) is written in a seeded random order of its documents: any prefix of
+a shard is then a fair sample of it, whatever the input order. The order is a sort of the documents by a key,
+`blake2b(seed, document index)` (`document_keys`): deterministic for a seed on every machine, recorded in the
+manifest (`"order"`), and computed from the document count alone, so it costs 8 bytes per document and no text
+is held. Pass 2 still streams the train split once, in corpus order, and writes each document's tokens at its
+precomputed offset in its file (`os.pwrite`); the files are hashed by reading them back. `shuffle=False` keeps
+corpus order (the format before shuffling existed).
 
 Options (`ShardOptions`; all off by default and, off, the output is exactly the above): a held-out slice per
-shard for early stopping (`path-{i:04d}.heldout.tokens`), top-2 overlapping training shards (paper §2.4.4), and
-a byte-level BPE tokenizer trained on the train split (`router.bpe`, saved as `tokenizer.json`).
+shard for early stopping (`path-{i:04d}.heldout.tokens`: the last N documents of the path in the shard order, so
+a random sample when shuffled), top-2 overlapping training shards (paper §2.4.4), and a byte-level BPE tokenizer
+trained on the train split (`router.bpe`, saved as `tokenizer.json`) or given.
 
 `shard_corpus` runs one function per stage, in this order: train the tokenizer (BPE only), scan the train split
 (pass 1), fit the router (or take a given one), score every document, assign it (route, balance, top-2), hold
@@ -44,6 +57,8 @@ log = logging.getLogger(__name__)
 SHARDS_FORMAT = 1
 ROUTER_DIR = "router"
 TOKENIZERS = ("byte", "bpe")
+ORDER_KEY = "blake2b-64(dipaco-shard-order/{seed}/{document index})"
+"""How a shuffled shard orders its documents (`document_keys`), as the manifest records it."""
 BPE_BATCH_DOCS = 256
 """Documents per `encode_batch` call of the BPE tokenizer (bounded memory, parallel encoding)."""
 
@@ -84,14 +99,19 @@ class ShardOptions:
     min_tokens_per_shard: int = 0
     """Raise `ShardError` when a training shard would hold fewer tokens (0: no floor)."""
     heldout_docs_per_shard: int = 0
-    """N > 0: the last N documents (corpus order) routed to each path go to `path-XXXX.heldout.tokens` instead of
-    its training shard (early stopping). A path with N or fewer documents raises `ShardError`."""
+    """N > 0: the last N documents routed to each path, in the shard order (a seeded random sample when
+    shuffled, else the last in corpus order), go to `path-XXXX.heldout.tokens` instead of its training shard
+    (early stopping). A path with N or fewer documents raises `ShardError`."""
     overlap_top2: bool = False
     """Paper §2.4.4, training only: every training document is also appended to the shard of its second-best path
     (by the same biased scores that route it). Routing (router, balance, purity, held-out slices) stays top-1."""
+    shuffle: bool = True
+    """Write every shard and held-out slice in a random order of its documents, seeded by `seed` (see the module
+    doc: why, and how it stays streaming); False: corpus order."""
     tokenizer: str = "byte"
     """"byte" (bytes + EOS 256), or "bpe": a byte-level BPE trained on the train split, saved as `tokenizer.json`
-    (EOS 0). Balancing counts the shard tokenizer's tokens; routing always reads bytes."""
+    (EOS 0). Balancing counts the shard tokenizer's tokens; routing always reads bytes. A tokenizer object given
+    to `shard_corpus` is used instead of either."""
     vocab_size: int = 8192
     """BPE vocabulary size (with `tokenizer="bpe"` only); at most 65535 so ids fit the uint16 shard files."""
 
@@ -131,6 +151,7 @@ def shard_corpus(
     *,
     router: Router | None = None,
     featurizer: ModelFeaturizer | None = None,
+    tokenizer: ByteTokenizer | BPETokenizer | None = None,
 ) -> dict[str, Any]:
     """Fit the router on the train split, write one token file per path, the router and the manifest (last).
 
@@ -143,23 +164,26 @@ def shard_corpus(
     added to its own `bias` (nothing when its routing already meets the bounds on the train split); without,
     it routes as it is. The router used is saved with the shards as always. `featurizer`: fit the router on a
     path model's hidden states instead of hashed n-grams (`router.model_features`; ignored with `router`).
+    `tokenizer`: cut the shards with this tokenizer instead of the one `options` names (e.g. the BPE tokenizer of
+    other shards of the same corpus, so that runs on both share a vocabulary); saved with the shards as always.
     """
     corpus_manifest = _corpus_manifest(corpus_dir)
     train = corpus_dir / TRAIN_FILE
-    tok = _tokenizer(train, options)
+    tok = tokenizer if tokenizer is not None else _tokenizer(train, options)
     scan = _scan(train, tok, prefix_tokens=options.prefix_tokens)
     fitted = _fit(scan.prefix_texts, options, router=router, featurizer=featurizer)
     scores = _score(fitted.router, scan.prefix_texts, batch_docs=options.batch_docs)
     assignment = _assign(fitted, scores, scan.sizes, options)
     del scores  # (N, K) floats that pass 2 does not need
-    split = _hold_out(assignment, scan.sizes, options)
+    rank = document_order(len(scan.sizes), seed=options.seed, shuffle=options.shuffle)
+    split = _hold_out(assignment, scan.sizes, rank, options)
 
     # Every check has passed. Complete-or-absent: the old manifest goes first, the new one comes last.
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
     fitted.router.save(out_dir / ROUTER_DIR)
     tokenizer_entry = _save_tokenizer(out_dir, tok)
-    written = _write_token_files(out_dir, train, tok, assignment, split, sizes=scan.sizes, options=options)
+    written = _write_token_files(out_dir, train, tok, assignment, split, sizes=scan.sizes, rank=rank, options=options)
     manifest = _manifest(
         options,
         corpus_manifest=corpus_manifest,
@@ -346,9 +370,30 @@ def _assign(fitted: _Fitted, scores: np.ndarray, sizes: np.ndarray, options: Sha
     return _Assignment(labels=labels, unbalanced=unbalanced, second=second, shares=shares, satisfied=satisfied)
 
 
-def _hold_out(assignment: _Assignment, sizes: np.ndarray, options: ShardOptions) -> _Split:
-    """Mark the held-out slice of every path and count what its training shard gets. Raises `ShardError` when a
-    path gets no document, too few to hold `heldout_docs_per_shard` out, or under `min_tokens_per_shard` tokens."""
+def document_keys(n: int, *, seed: int) -> np.ndarray:
+    """(n,) uint64 sort keys of documents 0..n-1: the first 8 bytes of blake2b(seed, index), little-endian. The
+    same for a seed on every machine and version (unlike a library RNG stream), and independent of the texts."""
+    keys = np.empty(n, dtype=np.uint64)
+    salt = f"dipaco-shard-order/{seed}/".encode()
+    for i in range(n):
+        keys[i] = int.from_bytes(hashlib.blake2b(salt + str(i).encode(), digest_size=8).digest(), "little")
+    return keys
+
+
+def document_order(n: int, *, seed: int, shuffle: bool) -> np.ndarray:
+    """(n,) int64 rank of each document in the order shards are written: sorted by `document_keys` when
+    `shuffle`, else corpus order (rank = index). Within each file documents follow increasing rank."""
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    rank = np.empty(n, dtype=np.int64)
+    rank[np.argsort(document_keys(n, seed=seed), kind="stable")] = np.arange(n, dtype=np.int64)
+    return rank
+
+
+def _hold_out(assignment: _Assignment, sizes: np.ndarray, rank: np.ndarray, options: ShardOptions) -> _Split:
+    """Mark the held-out slice of every path (its last documents by `rank`) and count what its training shard
+    gets. Raises `ShardError` when a path gets no document, too few to hold `heldout_docs_per_shard` out, or under
+    `min_tokens_per_shard` tokens."""
     labels, second, num_paths = assignment.labels, assignment.second, options.num_paths
     routed_docs = np.bincount(labels, minlength=num_paths)
     empty = np.flatnonzero(routed_docs == 0).tolist()
@@ -367,7 +412,8 @@ def _hold_out(assignment: _Assignment, sizes: np.ndarray, options: ShardOptions)
                 f"cannot hold out {held_out_per_path} documents per shard and keep some for training: {listed}"
             )
         for p in range(num_paths):
-            heldout[np.flatnonzero(labels == p)[-held_out_per_path:]] = True
+            members = np.flatnonzero(labels == p)
+            heldout[members[np.argsort(rank[members], kind="stable")][-held_out_per_path:]] = True
 
     trained = ~heldout
     num_tokens = np.bincount(labels[trained], weights=sizes[trained], minlength=num_paths).astype(np.int64)
@@ -397,6 +443,51 @@ def _save_tokenizer(out_dir: Path, tok: ByteTokenizer | BPETokenizer) -> dict[st
     }
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where pass 2 writes every document: one file (and with top-2 a second training file), at a token offset."""
+
+    file: np.ndarray
+    """(N,) file of each document: 0..K-1 its training shard, K..2K-1 its held-out slice."""
+    offset: np.ndarray
+    """(N,) token offset of the document in `file`."""
+    second_file: np.ndarray | None
+    """(N,) the training shard of its second-best path (top-2), -1 for a held-out document; None without top-2."""
+    second_offset: np.ndarray | None
+    file_tokens: np.ndarray
+    """(2K,) tokens of every file."""
+
+
+def _file_layout(assignment: _Assignment, split: _Split, *, sizes: np.ndarray, rank: np.ndarray) -> _Layout:
+    """Each file holds its documents in increasing `rank`, back to back: sort the (document, file) entries by
+    file then rank; a document's offset is the tokens of the entries before it in its file."""
+    labels, second, heldout = assignment.labels, assignment.second, split.heldout
+    n, num_paths = len(labels), len(split.num_tokens)
+    file = np.where(heldout, num_paths + labels, labels).astype(np.int64)
+    entry_doc, entry_file = np.arange(n, dtype=np.int64), file
+    extra = np.flatnonzero(~heldout) if second is not None else np.zeros(0, dtype=np.int64)
+    if second is not None:
+        entry_doc = np.concatenate([entry_doc, extra])
+        entry_file = np.concatenate([entry_file, second[extra].astype(np.int64)])
+    order = np.lexsort((rank[entry_doc], entry_file))  # by file, then rank
+    entry_sizes = sizes[entry_doc]
+    file_tokens = np.bincount(entry_file, weights=entry_sizes, minlength=2 * num_paths).astype(np.int64)
+    file_start = np.concatenate([[0], np.cumsum(file_tokens)[:-1]])
+    sorted_sizes = entry_sizes[order]
+    offsets = np.empty(len(order), dtype=np.int64)
+    offsets[order] = np.cumsum(sorted_sizes) - sorted_sizes - file_start[entry_file[order]]
+    assert (file_tokens[:num_paths] == split.num_tokens).all()
+    second_file = second_offset = None
+    if second is not None:
+        second_file = np.full(n, -1, dtype=np.int64)
+        second_offset = np.zeros(n, dtype=np.int64)
+        second_file[extra] = second[extra]
+        second_offset[extra] = offsets[n:]
+    return _Layout(
+        file=file, offset=offsets[:n], second_file=second_file, second_offset=second_offset, file_tokens=file_tokens
+    )
+
+
 def _write_token_files(
     out_dir: Path,
     train: Path,
@@ -405,38 +496,52 @@ def _write_token_files(
     split: _Split,
     *,
     sizes: np.ndarray,
+    rank: np.ndarray,
     options: ShardOptions,
 ) -> _Written:
-    """Pass 2: append the tokens of every document to its training shard (and its second-best path's) or its
-    held-out slice. Each file is written under a temporary name and renamed once every file is complete."""
-    num_paths, labels, second, heldout = options.num_paths, assignment.labels, assignment.second, split.heldout
+    """Pass 2: write the tokens of every document into its training shard (and its second-best path's) or its
+    held-out slice, at the offset `_file_layout` gives it (streaming the train split in corpus order, in bounded
+    memory). Each file is written under a temporary name, read back for its sha256, and renamed once every file
+    is complete."""
+    num_paths = options.num_paths
     targets = [out_dir / shard_file_name(p) for p in range(num_paths)]
     if options.heldout_docs_per_shard:
         targets += [out_dir / heldout_file_name(p) for p in range(num_paths)]
+    layout = _file_layout(assignment, split, sizes=sizes, rank=rank)
     tmps = [out_dir / f".{t.name}.tmp-{os.getpid()}" for t in targets]
-    digests = [hashlib.sha256() for _ in targets]
+    item = TOKEN_DTYPE.itemsize
     n = len(sizes)
-    with ExitStack() as stack:
-        files = [stack.enter_context(open(t, "wb", buffering=1 << 20)) for t in tmps]
-        for i, (_, tokens) in enumerate(_iter_tokens(train, tok)):  # the same file as pass 1, in the same order
-            if i >= n:
-                raise ShardError(f"{train} changed while sharding (more than {n} documents)")
-            assert isinstance(tokens, np.ndarray)
-            data = tokens.tobytes()
-            if len(data) != TOKEN_DTYPE.itemsize * sizes[i]:
-                raise ShardError(f"{train} changed while sharding (document {i})")
-            dests = [num_paths + labels[i]] if heldout[i] else [labels[i]]
-            if second is not None and not heldout[i]:
-                dests.append(second[i])
-            for dest in dests:
-                digests[dest].update(data)
-                files[dest].write(data)
-        for fh in files:
-            fh.flush()
-            os.fsync(fh.fileno())
-    for tmp, target in zip(tmps, targets, strict=True):
-        os.replace(tmp, target)
-    return _Written(files=[t.name for t in targets], sha256=[d.hexdigest() for d in digests])
+    seen = 0
+    try:
+        with ExitStack() as stack:
+            files = [stack.enter_context(open(t, "wb")) for t in tmps]
+            for f, fh in enumerate(files):
+                fh.truncate(int(layout.file_tokens[f]) * item)
+            fds = [fh.fileno() for fh in files]
+            for i, (_, tokens) in enumerate(_iter_tokens(train, tok)):  # the same file as pass 1, in the same order
+                if i >= n:
+                    raise ShardError(f"{train} changed while sharding (more than {n} documents)")
+                assert isinstance(tokens, np.ndarray)
+                data = tokens.tobytes()
+                if len(data) != item * sizes[i]:
+                    raise ShardError(f"{train} changed while sharding (document {i})")
+                os.pwrite(fds[layout.file[i]], data, int(layout.offset[i]) * item)
+                if layout.second_file is not None and layout.second_file[i] >= 0:
+                    assert layout.second_offset is not None
+                    os.pwrite(fds[layout.second_file[i]], data, int(layout.second_offset[i]) * item)
+                seen = i + 1
+            if seen != n:
+                raise ShardError(f"{train} changed while sharding ({seen} documents, {n} before)")
+            for fh in files:
+                fh.flush()
+                os.fsync(fh.fileno())
+        digests = [_sha256_file(t) for t in tmps]
+        for tmp, target in zip(tmps, targets, strict=True):
+            os.replace(tmp, target)
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+    return _Written(files=[t.name for t in targets], sha256=digests)
 
 
 def _manifest(
@@ -468,6 +573,9 @@ def _manifest(
         "purity_random": random_purity(labels, scan.domains, seed=options.seed),
         "levels": list(levels) if levels and len(levels) >= 2 else [num_paths],
         "fit_documents": fitted.fit_documents,
+        "order": (
+            {"shuffled": True, "seed": options.seed, "key": ORDER_KEY} if options.shuffle else {"shuffled": False}
+        ),
         **({"router_given": True, "router_head": fitted.router.head_weight is not None} if fitted.given else {}),
         **({"heldout_docs_per_shard": options.heldout_docs_per_shard} if options.heldout_docs_per_shard else {}),
         **({"overlap_top2": True} if assignment.second is not None else {}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import unicodedata
 
 # Macros whose arguments are text worth keeping (man(7) and the common mdoc(7) ones); every other request
 # line (.TH, .PP, .TP, .de, .if, .nr, ...) is layout and is dropped whole.
@@ -30,7 +31,36 @@ _NAMED_CHARS = {
     "mu": "x",
     "ti": "~",
     "ha": "^",
+    # Letters of translated pages (groff_char(7); e.g. German `f\\(:ur`, Polish `\\(/l`): those with no accent.
+    "ss": "\u00df",
+    "ae": "\u00e6",
+    "AE": "\u00c6",
+    "oe": "\u0153",
+    "OE": "\u0152",
+    "/o": "\u00f8",
+    "/O": "\u00d8",
+    "/l": "\u0142",
+    "/L": "\u0141",
+    "-D": "\u00d0",
+    "Sd": "\u00f0",
+    "TP": "\u00de",
+    "Tp": "\u00fe",
+    "Fo": "\u00ab",
+    "Fc": "\u00bb",
+    "fo": "\u2039",
+    "fc": "\u203a",
+    "r!": "\u00a1",
+    "r?": "\u00bf",
+    "de": "\u00b0",
+    "Eu": "\u20ac",
+    "eu": "\u20ac",
+    "shc": "",
 }
+# groff's composite glyph names: an accent mark then the letter (`:u` is u with diaeresis, `'e` e acute, `oa` a
+# with a ring), rendered as the letter plus the combining mark, composed (NFC).
+_ACCENTS = {":": "\u0308", "'": "\u0301", "`": "\u0300", "^": "\u0302", "~": "\u0303", ",": "\u0327",
+            "o": "\u030a", "v": "\u030c"}  # fmt: skip
+_UNICODE_NAME = re.compile(r"^(?:u([0-9A-F]{4,6})(?:_([0-9A-F]{4,6}))*|char(\d{1,3}))$")
 _ESCAPES = [
     (re.compile(r"\\f(?:\[[^\]]*\]|\(..|.)"), ""),  # font changes
     (re.compile(r"\\s[+-]?\d+"), ""),  # point-size changes
@@ -46,8 +76,24 @@ _NAMED = re.compile(r"\\(?:\((..)|\[([^\]]*)\])")
 _BLANK_RUNS = re.compile(r"\n{3,}")
 
 
+def _glyph(name: str) -> str:
+    """The text of a named glyph (`\\(xx` or `\\[name]`); "" for one this cleaner does not know."""
+    if name in _NAMED_CHARS:
+        return _NAMED_CHARS[name]
+    if len(name) == 2 and name[0] in _ACCENTS and name[1].isalpha():
+        return unicodedata.normalize("NFC", name[1] + _ACCENTS[name[0]])
+    unicode_name = _UNICODE_NAME.match(name)
+    if unicode_name is not None:
+        if unicode_name.group(3) is not None:  # \[char252]: a Latin-1 code
+            return chr(int(unicode_name.group(3))) if int(unicode_name.group(3)) < 256 else ""
+        codes = [int(code, 16) for code in name[1:].split("_")]  # \[u00FC], \[u0075_0308]
+        if all(code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF for code in codes):
+            return unicodedata.normalize("NFC", "".join(map(chr, codes)))
+    return ""
+
+
 def _unescape(line: str) -> str:
-    line = _NAMED.sub(lambda m: _NAMED_CHARS.get(m.group(1) or m.group(2), ""), line)
+    line = _NAMED.sub(lambda m: _glyph(m.group(1) or m.group(2)), line)
     for pattern, repl in _ESCAPES:
         line = pattern.sub(repl, line)
     return line

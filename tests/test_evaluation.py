@@ -115,7 +115,8 @@ def test_eval_command_table_and_json(
     assert "perplexity" in result.output and "re-routed every 32" in result.output
     result = CliRunner().invoke(app, [*args, "--json"], obj=coordinator)
     assert result.exit_code == 0, result.output
-    body = json.loads(result.output)
+    body = json.loads(result.stdout)  # progress lines go to stderr: stdout is the JSON alone
+    assert "eval: scoring 12 small documents of run" in result.stderr
     assert body["every"] == 32 and len(body["per_path"]) == 4 and body["run_id"] == run["id"]
     assert body["num_documents"] + body["skipped_documents"] == 12
     bad_token = [a if a != ADMIN else "not-a-token" for a in args]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,18 @@ def test_export_errors(coordinator: TestClient, tmp_path: Path) -> None:
         load_exported(tmp_path / "nothing")
 
 
+def test_export_files_get_the_same_mode(tmp_path: Path) -> None:
+    """Both files get the mode of an ordinary new file here (the umask's), whatever the safetensors writer uses."""
+    cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1)
+    old = os.umask(0o027)
+    try:
+        save_export(tmp_path, cfg, init_state(cfg, seed=0))
+    finally:
+        os.umask(old)
+    modes = {stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("model.safetensors", "config.json")}
+    assert modes == {0o640}
+
+
 def test_a_config_without_block_loads_as_gpt2(tmp_path: Path) -> None:
     # exports written before `block` existed are gpt2 paths, whatever the default block is now
     cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1, block="gpt2")
@@ -197,3 +211,33 @@ def test_export_and_generate_commands(coordinator: TestClient, tmp_path: Path) -
     assert bad.exit_code == 1 and "give --from DIR" in bad.output
     bad = CliRunner().invoke(app, [a if a != "1" else "9" for a in args], obj=coordinator)
     assert bad.exit_code == 1 and "does not exist" in bad.output
+
+
+def test_generate_from_an_export_uses_its_bpe_tokenizer(tmp_path: Path) -> None:
+    """A model trained on BPE shards samples BPE ids: the tokenizer in the export directory (or --tokenizer)
+    encodes the prompt and decodes the sample; without one the model is refused instead of printing bytes."""
+    pytest.importorskip("tokenizers", reason="the BPE tokenizer needs the `tokenizers` package")
+    from router.bpe import TOKENIZER_FILE, train_bpe
+
+    tok = train_bpe((f"the cat sat on mat number {i}. " * 3 for i in range(200)), vocab_size=300)
+    cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1, vocab_size=tok.vocab_size)
+    save_export(tmp_path / "bare", cfg, init_state(cfg, seed=0))
+    runner = CliRunner()
+    refused = runner.invoke(app, ["generate", "--from", str(tmp_path / "bare"), "--prompt", "the cat"])
+    assert refused.exit_code != 0 and "trained on BPE shards: pass --tokenizer" in refused.output
+    args = ["generate", "--from", str(tmp_path / "bare"), "--prompt", "the cat", "--max-new-tokens", "5"]
+    tok.save(tmp_path / TOKENIZER_FILE)
+    got = runner.invoke(app, [*args, "--tokenizer", str(tmp_path / TOKENIZER_FILE), "--temperature", "0"])
+    assert got.exit_code == 0, got.output
+    model = load_exported(tmp_path / "bare")
+    ids = generate(model, tok.encode("the cat"), max_new_tokens=5, temperature=0.0, eos=tok.EOS)
+    assert got.output.splitlines()[-1] == ("the cat" + tok.decode(ids)).splitlines()[-1]
+    # The export directory's own tokenizer.json is found without the option.
+    tok.save(tmp_path / "bare" / TOKENIZER_FILE)
+    assert runner.invoke(app, [*args, "--temperature", "0"]).output == got.output
+    small = train_bpe((f"x{i} y{i}" for i in range(100)), vocab_size=280)
+    big_cfg = ModelConfig(d_model=32, n_heads=2, seq_len=16, n_layers=1, vocab_size=small.vocab_size - 1)
+    save_export(tmp_path / "small", big_cfg, init_state(big_cfg, seed=0))
+    small.save(tmp_path / "small" / TOKENIZER_FILE)
+    too_big = runner.invoke(app, ["generate", "--from", str(tmp_path / "small"), "--prompt", "x"])
+    assert too_big.exit_code != 0 and "the model only" in too_big.output

@@ -62,6 +62,11 @@ def test_targets_met_and_missed() -> None:
     assert qr.targets([dense, good])[1].value is None and not qr.targets([dense, good])[1].met
     worse = result("dense-2w", [200.0, 11.0], params=350)
     assert not qr.targets([dense, good, worse])[1].met
+    # a target that cannot be judged says why instead of a bare NO
+    unjudged = render(qr.targets_table(qr.targets([dense, good, worse])))
+    assert "cannot judge: the wider dense model ended no better than dense-S (11.00 vs 10.00)" in unjudged
+    assert "no wider dense model was trained" in render(qr.targets_table(qr.targets([dense, good])))
+    assert "no DiPaCo 2x2 result" in render(qr.targets_table(qr.targets([dense, wide])))
     text = render(qr.targets_table(got))
     assert "NO" in text and "<= 0.85" in text
 
@@ -131,3 +136,37 @@ def test_contenders_take_the_block() -> None:
     gpt2, llama = (standard_contenders("debug", block=b)[0].path_params() for b in ("gpt2", "llama"))
     assert (gpt2, llama) == (137_088, 137_024)  # equal parameters per path (ModelConfig.mlp_hidden)
     assert "block" not in standard_contenders("debug")[0].model  # unset: the flavour's block
+
+
+def test_report_flags_what_cannot_be_right_and_judges_no_target_on_it() -> None:
+    # The numbers of a corpus given in blocks of languages (issue 18): dense models up and down by 2x between
+    # rounds, a 2x2 ten times "better". The report must not call the targets met.
+    dense = result("dense-S", [87.0, 168.0, 81.0, 172.0])
+    two = result("DiPaCo 2x2", [27.0, 19.0, 16.0, 16.4], paths=4)
+    wide = result("dense-2w", [95.0, 262.0, 151.0, 245.0], params=350)
+    flags = qr.sanity_flags([dense, two, wide])
+    assert {(f.model, f.check) for f in flags} == {
+        ("dense-S", "rising"),
+        ("dense-S", "early_stop"),  # round 2's 81 beats the final 172
+        ("dense-2w", "rising"),
+        ("dense-2w", "early_stop"),
+        ("DiPaCo 2x2", "ratio"),
+    }
+    assert "rose +93% from round 0 (87.00) to round 1 (168.00)" in flags[0].detail
+    got = qr.targets([dense, two, wide])
+    assert got[0].value == pytest.approx(16.4 / 172.0) and not got[0].met and got[0].flagged == ("dense-S", "DiPaCo 2x2")
+    assert not qr.all_met(got)
+    text = render(qr.targets_table(got))
+    assert "not judged, inputs flagged" in text and "yes" not in text
+    assert "rising" in render(qr.flags_table(flags))
+    # Healthy numbers (the same corpus shuffled) raise no flag; a small late rise within 10 % is noise.
+    dense = result("dense-S", [200.0, 20.0, 14.0, 13.6])
+    two = result("DiPaCo 2x2", [200.0, 18.0, 12.4, 12.6], paths=4)
+    assert qr.sanity_flags([dense, two]) == []
+    # A perplexity that is not a number, and a model much better some rounds before its end.
+    nan = result("DiPaCo 2x2", [200.0, float("nan")], paths=4)
+    assert [f.check for f in qr.sanity_flags([nan])] == ["not_finite"]
+    late = result("dense-S", [200.0, 10.0, 10.5])
+    late.halves[1]["test"] = [(math.log(8.0) * 10, 10)]
+    late.halves[2]["test"] = [(math.log(20.0) * 10, 10)]
+    assert "early_stop" in [f.check for f in qr.sanity_flags([late])]

@@ -117,6 +117,7 @@ def test_register_command_starts_the_run(small_shards: Path, coordinator: TestCl
     assert result.exit_code == 0, result.output
     assert f"shards of run {run.id}" in result.output
     assert admin.run(run.id).status == RunStatus.RUNNING
+    assert f"run {run.id} 'two' is running: round 0 of {run.num_rounds} is open" in result.output
     again = runner.invoke(app, args, obj=coordinator)  # the run has started: the coordinator says no
     assert again.exit_code == 1 and "HTTP 409" in again.output
 

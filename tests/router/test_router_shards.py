@@ -10,7 +10,15 @@ import pytest
 from router.corpus import iter_jsonl
 from router.purity import purity
 from router.router import Router
-from router.shards import ShardError, ShardOptions, load_manifest, shard_corpus
+from router.shards import (
+    ORDER_KEY,
+    ShardError,
+    ShardOptions,
+    document_keys,
+    document_order,
+    load_manifest,
+    shard_corpus,
+)
 from router.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
 
@@ -43,18 +51,47 @@ def test_manifest_matches_files(corpus_dir: Path, shards4: tuple[Path, dict[str,
         assert sum(shard["domains"].values()) == shard["num_documents"]
 
 
-def test_shards_follow_the_saved_router(corpus_dir: Path, shards4: tuple[Path, dict[str, Any]]) -> None:
+def shard_texts(path: Path) -> list[str]:
+    """The documents of a byte shard file, in file order."""
+    tokens = np.fromfile(path, dtype=TOKEN_DTYPE)
+    ends = np.flatnonzero(tokens == ByteTokenizer.EOS)
+    return [ByteTokenizer().decode(d) for d in np.split(tokens, ends + 1)[:-1]]
+
+
+def test_shards_follow_the_saved_router_in_the_seeded_order(
+    corpus_dir: Path, shards4: tuple[Path, dict[str, Any]]
+) -> None:
     out, manifest = shards4
     router = Router.load(out / "router")
-    train = list(iter_jsonl(corpus_dir / "train.jsonl"))
-    labels = router.route([d["text"] for d in train])
-    tok = ByteTokenizer()
-    first_doc = {
-        int(p): tok.encode_array(train[int(np.flatnonzero(labels == p)[0])]["text"], eos=True) for p in range(4)
-    }
-    for p, expected in first_doc.items():
-        tokens = np.fromfile(out / manifest["shards"][p]["file"], dtype=TOKEN_DTYPE)
-        np.testing.assert_array_equal(tokens[: expected.size], expected)
+    train = [d["text"] for d in iter_jsonl(corpus_dir / "train.jsonl")]
+    labels = router.route(train)
+    assert manifest["order"] == {"shuffled": True, "seed": 0, "key": ORDER_KEY}
+    rank = document_order(len(train), seed=0, shuffle=True)
+    assert sorted(rank.tolist()) == list(range(len(train)))
+    for p, shard in enumerate(manifest["shards"]):
+        members = np.flatnonzero(labels == p)
+        expected = [train[i] for i in members[np.argsort(rank[members])]]
+        assert shard_texts(out / shard["file"]) == expected
+    # The order is neither corpus order nor the same for another seed.
+    assert (np.diff(rank) > 0).mean() < 0.6
+    assert not np.array_equal(rank, document_order(len(train), seed=1, shuffle=True))
+
+
+def test_unshuffled_shards_keep_corpus_order(corpus_dir: Path, tmp_path: Path) -> None:
+    manifest = shard_corpus(corpus_dir, tmp_path / "s", ShardOptions(num_paths=2, shuffle=False))
+    assert manifest["order"] == {"shuffled": False}
+    train = [d["text"] for d in iter_jsonl(corpus_dir / "train.jsonl")]
+    labels = Router.load(tmp_path / "s" / "router").route(train)
+    for p, shard in enumerate(manifest["shards"]):
+        assert shard_texts(tmp_path / "s" / shard["file"]) == [t for t, q in zip(train, labels, strict=True) if q == p]
+
+
+def test_document_keys_are_pinned() -> None:
+    # blake2b of the seed and index: the same on every machine; these values must never change silently.
+    keys = document_keys(3, seed=0)
+    assert keys.dtype == np.uint64
+    assert keys.tolist() == [5418793212401905406, 762198164814472898, 9511411456901988179]
+    assert document_order(8, seed=0, shuffle=True).tolist() == [3, 0, 5, 1, 7, 4, 6, 2]
 
 
 def test_purity_beats_random_assignment(shards4: tuple[Path, dict[str, Any]]) -> None:

@@ -124,3 +124,36 @@ def test_corpus_command_from_jsonl_then_shard_with_levels(tmp_path: Path) -> Non
         app, ["corpus", "--out", str(tmp_path / "x"), "--from", str(tmp_path / "c.jsonl"), "--format", "csv"]
     )
     assert result.exit_code == 1 and "unknown format 'csv'" in result.output
+
+
+def test_domain_field_names_the_domain_and_a_typo_is_an_error(tmp_path: Path) -> None:
+    src = tmp_path / "docs.jsonl"
+    rows = [{"text": f"{lang} {i} " + LONG, "lang": lang} for lang in ("de", "fr") for i in range(3)]
+    rows.append({"text": "no language " + LONG})  # takes the file's name, and is counted
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    manifest = build_corpus_from(src, tmp_path / "out", domain_field="lang", heldout_fraction=0.0)
+    assert sorted(manifest["domains"]) == ["de", "docs", "fr"]
+    assert manifest["domains"]["de"]["train"]["documents"] == 3
+    assert manifest["without_domain_field"] == 1
+    assert manifest["source"]["domain_field"] == "lang"
+    assert {d["domain"] for d in _all_docs(tmp_path / "out")} == {"de", "fr", "docs"}
+    # A field no document has is a typo, not one domain per file: an error, and no corpus is left behind.
+    with pytest.raises(CorpusError, match="no document of .* has the domain field 'language'"):
+        build_corpus_from(src, tmp_path / "typo", domain_field="language", heldout_fraction=0.0)
+    assert not (tmp_path / "typo" / "manifest.json").exists()
+    # Not named: a 'domain' field where present, else the file's name, and nothing is counted as missing.
+    src.write_text(json.dumps({"text": "x " + LONG, "domain": "news"}) + "\n" + json.dumps({"text": "y " + LONG}))
+    manifest = build_corpus_from(src, tmp_path / "default", heldout_fraction=0.0)
+    assert sorted(manifest["domains"]) == ["docs", "news"] and "without_domain_field" not in manifest
+
+
+def test_domain_field_from_the_command_line(tmp_path: Path) -> None:
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"{i} " + LONG, "lang": "sv"}) + "\n" for i in range(4)))
+    result = CliRunner().invoke(
+        app, ["corpus", "--from", str(src), "--out", str(tmp_path / "c"), "--domain-field", "lang"]
+    )
+    assert result.exit_code == 0, result.output
+    assert list(json.loads((tmp_path / "c" / "manifest.json").read_text())["domains"]) == ["sv"]
+    result = CliRunner().invoke(app, ["corpus", "--out", str(tmp_path / "d"), "--domain-field", "lang"])
+    assert result.exit_code != 0 and "use it with --from" in result.output
