@@ -27,6 +27,11 @@ class Conflict(ServiceError):
     status_code = 409
 
 
+class LeaseSpent(Conflict):
+    """409 for an upload its lease can never deliver (its round closed, its run moved on, or its modules took
+    more steps than the run allows since it started): the lease is retired so its island may take new work."""
+
+
 class PayloadTooLarge(ServiceError):
     status_code = 413
 

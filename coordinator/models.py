@@ -86,6 +86,12 @@ class Run(Base):
     quorum: Mapped[float] = mapped_column(Float, default=1.0)
     round_deadline_s: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    schedule: Mapped[str] = mapped_column(
+        String(8),
+        default="round",
+        server_default="round",
+        comment="round: every level per round; async: every level async, no rounds; hybrid: both kinds",
+    )
 
     levels: Mapped[list[Level]] = relationship(back_populates="run", order_by="Level.index", lazy="raise")
 
@@ -99,6 +105,12 @@ class Level(Base):
     name: Mapped[str] = mapped_column(String(64))
     sharing: Mapped[str] = mapped_column(String(32))  # shared | routed | path_private
     num_modules: Mapped[int]
+    mode: Mapped[str] = mapped_column(
+        String(8),
+        default="round",
+        server_default="round",
+        comment="round: stepped at round close; async: stepped every period of contributions",
+    )
 
     run: Mapped[Run] = relationship(back_populates="levels", lazy="raise")
 
@@ -116,6 +128,13 @@ class Module(Base):
     momentum_hash: Mapped[str | None] = mapped_column(String(64))
     num_params: Mapped[int]
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    period: Mapped[int] = mapped_column(Integer, default=0, server_default="0", comment="Async: period now filling")
+    period_count: Mapped[int] = mapped_column(
+        Integer, default=0, server_default="0", comment="Async: contributions in the period now filling"
+    )
+    period_size: Mapped[int | None] = mapped_column(
+        Integer, comment="Async: contributions per outer step; NULL on round levels"
+    )
 
     level: Mapped[Level] = relationship(lazy="raise")
 
@@ -145,6 +164,10 @@ class Path(Base):
     tokens_trained: Mapped[int] = mapped_column(default=0)
     last_train_loss: Mapped[float | None] = mapped_column(Float)
     last_island_id: Mapped[int | None] = mapped_column(ForeignKey("islands.id", ondelete="SET NULL"))
+    leases_done: Mapped[int] = mapped_column(Integer, default=0, server_default="0", comment="Accepted leases")
+    steps_done: Mapped[int] = mapped_column(
+        Integer, default=0, server_default="0", comment="Inner steps of accepted leases"
+    )
 
     modules: Mapped[list[PathModule]] = relationship(order_by="PathModule.level_index", lazy="raise")
 
@@ -199,6 +222,7 @@ class Lease(Base):
     epoch: Mapped[int]
     issued_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
+    inner_steps: Mapped[int | None] = mapped_column(Integer, comment="H of this lease; NULL: the run's")
 
 
 class Contribution(Base):
@@ -232,6 +256,7 @@ class ContributionGrad(Base):
     safetensors blob (the upload is stored once, as received)."""
 
     __tablename__ = "contribution_grads"
+    __table_args__ = (Index("ix_contribution_grads_module_id_step", "module_id", "step"),)
     contribution_id: Mapped[int] = mapped_column(ForeignKey("contributions.id", ondelete="CASCADE"), primary_key=True)
     module_id: Mapped[int] = mapped_column(ForeignKey("modules.id", ondelete="CASCADE"), primary_key=True)
     blob_hash: Mapped[str] = mapped_column(String(64))
@@ -241,6 +266,16 @@ class ContributionGrad(Base):
         Float, default=1.0, server_default="1", comment="Outlier factor of the apply: 1 as sent, <1 clipped, 0 refused"
     )
     note: Mapped[str | None] = mapped_column(String(300), comment="Why the apply clipped or refused this part")
+    step: Mapped[int | None] = mapped_column(
+        Integer, comment="The module step this part is folded in: the round (round levels) or the period (async)"
+    )
+    base_version: Mapped[int | None] = mapped_column(Integer, comment="Module version the lease trained from")
+    staleness: Mapped[int] = mapped_column(
+        Integer,
+        default=0,
+        server_default="0",
+        comment="Module steps between the base version and the step it joins (0 on round levels)",
+    )
 
 
 class ModuleStep(Base):

@@ -159,10 +159,49 @@ class RunCreate(BaseModel):
         description="Seconds after a round opens after which quorum suffices; None: wait for all",
     )
 
+    sync: Literal["round", "async"] = Field(
+        default="round",
+        description="How modules are updated, unless the layout says otherwise per level (e.g. 'embed:shared:async'): "
+        "round (when every path has contributed to a round, or a quorum after its deadline) or async (every "
+        "`dn_period` contributions, whoever sends them; a path whose levels are all async never waits for another)",
+    )
+    max_staleness: int = Field(
+        default=4,
+        ge=0,
+        le=1_000_000,
+        description="Async levels: a contribution trained from a module more than this many steps old is refused (409)",
+    )
+    staleness_damping: Literal["inverse", "none"] = Field(
+        default="inverse",
+        description="Async levels: factor of a contribution of staleness s in its module's step: 1/(1+s), or 1",
+    )
+    dn_period: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Async levels: contributions per outer (Delayed Nesterov) step of a module; null: the number of "
+        "paths that use the module",
+    )
+    min_inner_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="All-async runs: dynamic local updates, each lease's H scaled by its island's speed between "
+        "these bounds (null: H = inner_steps)",
+    )
+    max_inner_steps: int | None = Field(default=None, ge=1, le=1_000_000, description="See min_inner_steps")
+
     @model_validator(mode="after")
     def _lease_lifetime(self) -> RunCreate:
         if self.max_lease_s < self.lease_ttl_s:
             raise ValueError(f"max_lease_s ({self.max_lease_s}) must be at least lease_ttl_s ({self.lease_ttl_s})")
+        low, high = self.min_inner_steps, self.max_inner_steps
+        if (low is None) != (high is None):
+            raise ValueError("min_inner_steps and max_inner_steps go together: set both or neither")
+        if low is not None and high is not None and not low <= self.inner_steps <= high:
+            raise ValueError(
+                f"inner_steps ({self.inner_steps}) must lie within min_inner_steps..max_inner_steps ({low}..{high})"
+            )
         return self
 
 
@@ -181,6 +220,11 @@ class RunPublic(BaseModel):
     quorum: float
     round_deadline_s: float | None
     created_at: datetime
+    schedule: Literal["round", "async", "hybrid"] = Field(
+        default="round",
+        description="round: every level per round; async: every level async (no rounds: paths lease on their own, "
+        "`current_round` unused); hybrid: async levels step on arrival, round levels at round close",
+    )
 
 
 class LevelPublic(BaseModel):
@@ -197,6 +241,7 @@ class ModulePublic(BaseModel):
     level_name: str
     index: int
     sharing: str
+    mode: Literal["round", "async"] = Field(default="round", description="How the module is updated")
     version: int
     weights_hash: str
     num_params: int
@@ -346,6 +391,8 @@ class ContributionModule(BaseModel):
     """One module's part of an accepted upload, and what the round's apply did with it."""
 
     module_id: int
+    base_version: int | None = Field(default=None, description="The module version the lease trained from")
+    staleness: int = Field(default=0, description="Module steps between that version and the step it joined")
     norm: float | None = Field(description="L2 norm of the outer gradient, measured at upload")
     scale: float = Field(description="Factor it was folded in with: 1 as sent, < 1 clipped, 0 refused")
     note: str | None = Field(description="Why it was clipped or refused")
@@ -396,6 +443,7 @@ class LeaseSummary(BaseModel):
     token_end: int
     issued_at: datetime
     expires_at: datetime
+    inner_steps: int | None = Field(default=None, description="H of this lease when it is not the run's")
 
 
 class RunStats(BaseModel):

@@ -9,6 +9,10 @@ consecutive blocks (`bI-J`, inclusive; `bI` for one block). Sharing is `shared` 
 path), `routedK` (K alternative modules) or `private` (one module per path). The number of paths is the
 product of the K of the routed levels; path p picks module digit(p) on each routed level (mixed radix, the
 first routed level most significant) and module p on private levels.
+
+An optional third item says how the level's modules are updated, overriding the run's `sync` field:
+`round` (at the close of each round, over every path that contributed to it) or `async` (as contributions
+arrive, see `modules.asynchrony`), e.g. ``embed:shared:async, b0-1:routed2, head:shared:async``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Literal
 
 Sharing = Literal["shared", "routed", "path_private"]
 Kind = Literal["embed", "blocks", "head"]
+Mode = Literal["round", "async"]
+MODES: tuple[Mode, ...] = ("round", "async")
 
 _BLOCKS = re.compile(r"^b(\d+)(?:-(\d+))?$")
 _ROUTED = re.compile(r"^routed(\d+)$")
@@ -38,6 +44,8 @@ class Level:
     """K for routed levels; 1 for shared levels (private levels get one module per path)."""
     first_block: int = -1
     last_block: int = -1
+    mode: Mode | None = None
+    """How the level's modules are updated, when the layout says (else the run's `sync` field decides)."""
 
     def owns(self, param_name: str) -> bool:
         """Whether a path-model parameter name belongs to this level."""
@@ -53,7 +61,8 @@ class Level:
     def spec(self) -> str:
         where = self.kind if self.kind != "blocks" else f"b{self.first_block}-{self.last_block}"
         how = {"shared": "shared", "path_private": "private"}.get(self.sharing)
-        return f"{where}:{how or f'routed{self.num_modules_routed}'}"
+        mode = f":{self.mode}" if self.mode is not None else ""
+        return f"{where}:{how or f'routed{self.num_modules_routed}'}{mode}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +111,10 @@ class Layout:
     def spec(self) -> str:
         return ", ".join(lv.spec() for lv in self.levels)
 
+    def modes(self, default: Mode) -> list[Mode]:
+        """Each level's update mode: its own when the layout names one, else `default` (the run's `sync`)."""
+        return [lv.mode if lv.mode is not None else default for lv in self.levels]
+
 
 def _parse_sharing(text: str, where: str) -> tuple[Sharing, int]:
     if text == "shared":
@@ -117,6 +130,14 @@ def _parse_sharing(text: str, where: str) -> tuple[Sharing, int]:
     raise LayoutError(f"{where}: unknown sharing {text!r}; use shared, private or routedK (e.g. routed4)")
 
 
+def _parse_mode(text: str, where: str) -> Mode:
+    if text in ("round", "sync"):
+        return "round"
+    if text == "async":
+        return "async"
+    raise LayoutError(f"{where}: unknown update mode {text!r}; use round (alias sync) or async")
+
+
 def parse_layout(text: str, *, n_layers: int) -> Layout:
     """Parse and validate a layout string against a model with `n_layers` blocks."""
     items = [part.strip() for part in text.split(",") if part.strip()]
@@ -127,13 +148,14 @@ def parse_layout(text: str, *, n_layers: int) -> Layout:
     names: set[str] = set()
     for pos, item in enumerate(items):
         where = f"level {pos} ({item!r})"
-        if item.count(":") != 1:
-            raise LayoutError(f"{where}: expected 'WHERE:SHARING', e.g. 'b0-1:routed2'")
-        place, how = (s.strip() for s in item.split(":"))
+        if item.count(":") not in (1, 2):
+            raise LayoutError(f"{where}: expected 'WHERE:SHARING' or 'WHERE:SHARING:MODE', e.g. 'b0-1:routed2:async'")
+        place, how, *rest = (s.strip() for s in item.split(":"))
         sharing, k = _parse_sharing(how, where)
+        mode = _parse_mode(rest[0], where) if rest else None
         if place in ("embed", "head"):
             kind: Kind = "embed" if place == "embed" else "head"
-            level = Level(name=place, kind=kind, sharing=sharing, num_modules_routed=k)
+            level = Level(name=place, kind=kind, sharing=sharing, num_modules_routed=k, mode=mode)
         else:
             m = _BLOCKS.match(place)
             if not m:
@@ -155,6 +177,7 @@ def parse_layout(text: str, *, n_layers: int) -> Layout:
                 num_modules_routed=k,
                 first_block=first,
                 last_block=last,
+                mode=mode,
             )
         if level.name in names:
             raise LayoutError(f"{where}: level {level.name!r} appears twice")

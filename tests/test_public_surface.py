@@ -22,7 +22,7 @@ def test_cli_commands() -> None:
         "export": [],
         "generate": [],
         "island": ["join"],
-        "registry": ["create-run", "islands", "modules", "paths", "runs"],
+        "registry": ["contributions", "create-run", "islands", "modules", "paths", "runs"],
         "router": ["corpus", "refit", "register", "shard"],
     }
 

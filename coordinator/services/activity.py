@@ -57,6 +57,7 @@ def list_leases(
             token_end=lease.token_end,
             issued_at=as_utc(lease.issued_at),
             expires_at=as_utc(lease.expires_at),
+            inner_steps=lease.inner_steps,
         )
         for lease, path_index in rows
     ], count

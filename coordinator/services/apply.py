@@ -30,13 +30,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from coordinator.blobstore import BlobStore
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleStep, ModuleVersion, Run
 from coordinator.services.leases import Affinity, ReadyOffer
+from coordinator.services.periods import finish_if_done
 from coordinator.services.rounds import finish_round
+from coordinator.services.runs import run_schedule
 from coordinator.services.staging import REFUSED, verify_staged
 from coordinator.states import ContributionStatus, StepStatus
 from modules import (
@@ -49,6 +51,7 @@ from modules import (
     outlier_bound,
     outlier_scales,
 )
+from modules.asynchrony import Damping, staleness_weight
 from modules.outer import Tensors
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,8 @@ class StepDone:
     """Parts left out: over the bound with `outer.outliers = refuse`, or making the step non-finite."""
     round_applied: bool
     """This was the round's last step: the round is applied and the run at its next round (or finished)."""
+    async_step: bool = False
+    """An async module's period (paths held back for it may lease again)."""
     offers: list[ReadyOffer] = field(default_factory=list)
     """Offers of the next round's paths, made when the round was applied."""
 
@@ -88,13 +93,25 @@ class _Claimed:
 
 
 def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S) -> _Claimed | None:
-    """Claim the oldest step that is pending, or running under a claim older than `claim_s`; commit."""
+    """Claim the oldest step that is pending, or running under a claim older than `claim_s`, and whose module has
+    no earlier step left; commit."""
     stale = now - timedelta(seconds=claim_s)
+    earlier = aliased(ModuleStep)
+    before_it = (
+        select(earlier.id)
+        .where(
+            earlier.module_id == ModuleStep.module_id,
+            earlier.round < ModuleStep.round,
+            earlier.status != StepStatus.DONE,
+        )
+        .exists()
+    )
     candidates = (
         select(ModuleStep.id, ModuleStep.status)
         .where(
             (ModuleStep.status == StepStatus.PENDING)
-            | ((ModuleStep.status == StepStatus.RUNNING) & (ModuleStep.claimed_at < stale))
+            | ((ModuleStep.status == StepStatus.RUNNING) & (ModuleStep.claimed_at < stale)),
+            ~before_it,  # a module's steps apply in order (an async module's periods)
         )
         .order_by(ModuleStep.id)
         .limit(8)
@@ -163,6 +180,8 @@ class _Part:
     tokens: int
     norm: float
     """As measured at upload; parts uploaded before norms were measured count as within every bound."""
+    staleness: int = 0
+    """Async levels: module steps since the version its lease trained from (`modules.asynchrony`)."""
     refused: bool = False
     """Refused before the round (a direct upload that failed verification): stays out."""
     scale: float = 1.0
@@ -183,12 +202,13 @@ def apply_step(
     Direct uploads the step needs are verified first (`staging.verify_staged`)."""
     verify_staged(session, blobs, run_id=claimed.run_id, round_=claimed.round, module_id=claimed.module_id)
     module = session.get_one(Module, claimed.module_id)
-    outer = OuterConfig(**session.get_one(Run, claimed.run_id).config["outer"])
+    run = session.get_one(Run, claimed.run_id)
+    outer, damping = OuterConfig(**run.config["outer"]), run_schedule(run).damping
     base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
     parts = _parts(session, claimed)
     session.rollback()  # the math runs outside any transaction
     started = time.perf_counter()
-    stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer)
+    stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer, damping)
     new_hashes = None
     if stepped is not None:
         new_params, new_momentum = stepped
@@ -201,7 +221,8 @@ def apply_step(
 
 
 def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
-    """The accepted uploads' parts for the module in the round, in path order (the simulator's order)."""
+    """The accepted uploads' parts for the module's step (the round, or the async period), in path order, then
+    arrival (the simulator's order)."""
     return [
         _Part(
             contribution_id=row.contribution_id,
@@ -209,6 +230,7 @@ def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
             prefix=row.prefix,
             tokens=tokens,
             norm=0.0 if row.norm is None else row.norm,
+            staleness=row.staleness,
             refused=row.scale == 0 and (row.note or "").startswith(REFUSED),
             note=row.note,
         )
@@ -217,11 +239,11 @@ def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
             .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
             .where(
                 ContributionGrad.module_id == claimed.module_id,
+                ContributionGrad.step == claimed.round,
                 Contribution.run_id == claimed.run_id,
-                Contribution.round == claimed.round,
                 Contribution.status == ContributionStatus.ACCEPTED,
             )
-            .order_by(Contribution.path_id)
+            .order_by(Contribution.path_id, Contribution.id)
         )
     ]
 
@@ -233,6 +255,7 @@ def _step(
     momentum_hash: str | None,
     parts: list[_Part],
     outer: OuterConfig,
+    damping: Damping = "inverse",
 ) -> tuple[Tensors, Tensors | None] | None:
     """The module's outer round (`modules.RoundAccumulator`, one contribution at a time from the memory-mapped
     upload blobs), each part with its outlier factor (`modules.outlier_scales`), recorded on the part.
@@ -257,7 +280,8 @@ def _step(
         for part in parts:
             if part.scale > 0:
                 grad = blobs.load_tensors(part.blob_hash, part.prefix, verified=verified)
-                acc.add(grad, contribution_weight(outer, part.tokens), scale=part.scale)
+                damped = part.scale * staleness_weight(part.staleness, damping)
+                acc.add(grad, contribution_weight(outer, part.tokens), scale=damped)
         if acc.count == 0:
             return None
         try:
@@ -310,8 +334,10 @@ def _commit(
             "module %s of run %s round %s: claim lost, result dropped", claimed.module_id, run.id, claimed.round
         )
         return None
-    if new_hashes is not None:
-        module.weights_hash, module.momentum_hash = new_hashes
+    asynchronous = module.period_size is not None
+    if new_hashes is not None or asynchronous:  # an async step always makes a version: staleness counts steps
+        if new_hashes is not None:
+            module.weights_hash, module.momentum_hash = new_hashes
         module.version += 1
         module.updated_at = now
         session.add(
@@ -331,16 +357,23 @@ def _commit(
             .values(scale=part.scale, note=part.note),
             execution_options={"synchronize_session": False},
         )
-    remaining = session.scalar(
-        select(func.count())
-        .select_from(ModuleStep)
-        .where(
-            ModuleStep.run_id == run.id,
-            ModuleStep.round == claimed.round,
-            ModuleStep.status != StepStatus.DONE,
+    remaining: int | None = 1  # an async step applies no round
+    offers: list[ReadyOffer] = []
+    if asynchronous:
+        finish_if_done(session, run)
+    else:
+        remaining = session.scalar(
+            select(func.count())
+            .select_from(ModuleStep)
+            .join(Module, Module.id == ModuleStep.module_id)
+            .where(
+                ModuleStep.run_id == run.id,
+                ModuleStep.round == claimed.round,
+                ModuleStep.status != StepStatus.DONE,
+                Module.period_size.is_(None),
+            )
         )
-    )
-    offers = finish_round(session, run, claimed.round, now=now, affinity=affinity) if not remaining else []
+        offers = finish_round(session, run, claimed.round, now=now, affinity=affinity) if not remaining else []
     faults.point("apply.before_commit")
     session.commit()
     log.info(
@@ -359,6 +392,7 @@ def _commit(
         refused=sum(p.scale == 0 for p in parts),
         round_applied=not remaining,
         offers=offers,
+        async_step=asynchronous,
     )
 
 

@@ -48,3 +48,12 @@ class RoundCloser:
             self._metrics.rounds_applied.inc()
             self._offers.put(done.offers, now=now)
             self._wakeups.notify()
+        elif done.async_step:
+            self._wakeups.notify()  # paths held back for this module may lease again
+
+    def async_progress(self, steps: int) -> None:
+        """An upload of a run with async levels was accepted (its path is free again) and made `steps` module
+        steps due: wake this process's executors and the lease requests waiting for work."""
+        if steps:
+            self.executors_wake.set()
+        self._wakeups.notify()

@@ -20,18 +20,32 @@ there), and only when a path is free, the run row locked and the choice made aga
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Select, and_, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from coordinator.errors import Conflict, Forbidden, NotFound
-from coordinator.models import Island, Lease, Level, Module, Path, PathModule, Round, Run, Shard
+from coordinator.models import (
+    Contribution,
+    Island,
+    Lease,
+    Level,
+    Module,
+    ModuleStep,
+    Path,
+    PathModule,
+    Round,
+    Run,
+    Shard,
+)
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
 from coordinator.services.events import ExpiredLease, add_lease_expiries
-from coordinator.services.runs import tokens_per_lease
-from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, RoundStatus, RunStatus
+from coordinator.services.runs import inner_step_bounds, tokens_per_lease
+from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, RoundStatus, RunStatus, StepStatus
 from coordinator.timeutil import as_utc
 from coordinator.wakeups import WorkSignal
 
@@ -75,9 +89,10 @@ def expire_stale_leases(session: Session, *, now: datetime, run_id: int | None =
     return len(changed)
 
 
-def work_signature(session: Session, *, now: datetime, reserve_s: float) -> tuple[int | None, int, int]:
+def work_signature(session: Session, *, now: datetime, reserve_s: float) -> tuple[int | None, int, int, int, int]:
     """Changes here can free a path: a round opened (newest round id), a lease expired or was released, a
-    round's reservation window ended (paths kept for other islands become free to all)."""
+    round's reservation window ended (paths kept for other islands become free to all), a lease of a run with
+    async levels was accepted, a module step was created or committed."""
     newest_round = session.scalar(select(func.max(Round.id)))
     given_back = session.scalar(
         select(func.count()).select_from(Lease).where(Lease.status.in_((LeaseStatus.EXPIRED, LeaseStatus.RELEASED)))
@@ -87,7 +102,14 @@ def work_signature(session: Session, *, now: datetime, reserve_s: float) -> tupl
         .select_from(Round)
         .where(Round.status == RoundStatus.OPEN, Round.opened_at >= now - timedelta(seconds=reserve_s))
     )
-    return newest_round, int(given_back or 0), int(reserving or 0)
+    # async levels: an accepted lease frees its path, a committed step releases the paths held back for it
+    accepted = session.scalar(
+        select(func.sum(Path.leases_done))
+        .join(Run, Run.id == Path.run_id)
+        .where(Run.status == RunStatus.RUNNING, Run.schedule != "round")
+    )
+    steps = session.scalar(select(func.count()).select_from(ModuleStep).where(ModuleStep.status != StepStatus.DONE))
+    return newest_round, int(given_back or 0), int(reserving or 0), int(accepted or 0), int(steps or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,12 +135,19 @@ class OpenRound:
     deadline: datetime | None
     open: bool = True
     """False while the round is closing (its modules being stepped): no leases, the next round comes soon."""
+    schedule: str = "round"
+    """`Run.schedule`: round, hybrid, or async (no rounds: `number` is unused, each path leases on its own)."""
+
+    @property
+    def free(self) -> bool:
+        return self.schedule == "async"
 
 
 def open_rounds(session: Session) -> list[OpenRound]:
-    """Current rounds of the running runs, oldest run first (one statement)."""
+    """Current rounds of the running runs, oldest run first (one statement). A run past its last round (its
+    async modules still stepping) has none; an all-async run has one that stands for all its paths."""
     rows = session.execute(
-        select(Run.id, Run.current_round, Round.opened_at, Round.deadline, Round.status)
+        select(Run.id, Run.current_round, Run.num_rounds, Run.schedule, Round.opened_at, Round.deadline, Round.status)
         .join(Round, and_(Round.run_id == Run.id, Round.number == Run.current_round), isouter=True)
         .where(Run.status == RunStatus.RUNNING)
         .order_by(Run.id)
@@ -130,8 +159,10 @@ def open_rounds(session: Session) -> list[OpenRound]:
             opened_at=as_utc(opened) if opened is not None else None,
             deadline=as_utc(deadline) if deadline is not None else None,
             open=status != RoundStatus.CLOSING,
+            schedule=schedule,
         )
-        for run_id, number, opened, deadline, status in rows
+        for run_id, number, num_rounds, schedule, opened, deadline, status in rows
+        if schedule == "async" or number < num_rounds
     ]
 
 
@@ -143,6 +174,8 @@ def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity:
         or_(Lease.status == LeaseStatus.SUBMITTED, and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now)),
     )
     query = select(Path).where(Path.run_id == rnd.run_id, Path.id.not_in(busy))
+    if rnd.schedule != "round":
+        query = query.where(~_stepping(Path.id))
     opened = rnd.opened_at
     if affinity.reserve_s > 0 and opened is not None and now < opened + timedelta(seconds=affinity.reserve_s):
         others = select(Island.id).where(
@@ -153,6 +186,32 @@ def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity:
         query = query.where(or_(Path.last_island_id.is_(None), Path.last_island_id.not_in(others)))
     warm_first = case((Path.last_island_id == island_id, 0), else_=1)
     return query.order_by(warm_first, Path.index).limit(1)
+
+
+def _stepping(path_id: object) -> Any:
+    """Whether a module of the path has a step waiting for (or in) an executor: a lease then would train from
+    weights about to change (held back until the step commits, which takes well under a lease's time)."""
+    return (
+        select(ModuleStep.id)
+        .join(PathModule, PathModule.module_id == ModuleStep.module_id)
+        .where(PathModule.path_id == path_id, ModuleStep.status != StepStatus.DONE)
+        .exists()
+    )
+
+
+def _free_async_path_query(rnd: OpenRound, island_id: int, *, now: datetime, budget: int) -> Select[Path]:
+    """Paths of an all-async run that are free for this island: not leased, budget not spent, no module being
+    stepped; its warm path first, then the path that trained least, then by index."""
+    busy = select(Lease.path_id).where(
+        Lease.run_id == rnd.run_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now
+    )
+    warm_first = case((Path.last_island_id == island_id, 0), else_=1)
+    return (
+        select(Path)
+        .where(Path.run_id == rnd.run_id, Path.id.not_in(busy), Path.steps_done < budget, ~_stepping(Path.id))
+        .order_by(warm_first, Path.steps_done, Path.index)
+        .limit(1)
+    )
 
 
 def acquire_lease(
@@ -172,6 +231,11 @@ def acquire_lease(
     at once, fewer when its capabilities say so (`island_capacity`): one more is refused with 409.
     """
     for rnd in rounds:
+        if rnd.free:
+            issued = _acquire_free(session, island_id, rnd, now=now, max_leases=max_leases)
+            if issued is not None:
+                return issued
+            continue
         if not rnd.open:
             continue  # closing: its paths are done, the next round opens once the executors apply it
         probe = _free_path_query(rnd, island_id, now=now, affinity=affinity).with_only_columns(Path.id)
@@ -194,6 +258,91 @@ def acquire_lease(
         return lease, expired
     session.rollback()
     return None, 0
+
+
+def _acquire_free(
+    session: Session, island_id: int, rnd: OpenRound, *, now: datetime, max_leases: int
+) -> tuple[LeasePublic, int] | None:
+    """A lease of an all-async run (committed): the same probe-then-lock as a round's, on the path's own count."""
+    budget = session.scalar(select(Run.num_rounds * Run.inner_steps).where(Run.id == rnd.run_id))
+    if budget is None:
+        return None
+    probe = _free_async_path_query(rnd, island_id, now=now, budget=budget).with_only_columns(Path.id)
+    if session.scalar(probe) is None:
+        return None
+    run = session.scalar(
+        select(Run).where(Run.id == rnd.run_id).with_for_update().execution_options(populate_existing=True)
+    )
+    if run is None or run.status != RunStatus.RUNNING:
+        session.rollback()
+        return None
+    expired = expire_stale_leases(session, now=now, run_id=run.id)
+    path = session.scalar(_free_async_path_query(rnd, island_id, now=now, budget=budget))
+    if path is None:
+        session.rollback()
+        return None
+    _check_capacity(session, island_id, now=now, max_leases=max_leases)
+    steps = min(lease_steps(session, run, island_id), budget - path.steps_done)
+    lease = _issue(session, run, path, island_id, now=now, round_=path.leases_done, steps=steps)
+    session.commit()
+    return lease, expired
+
+
+RECENT_LEASES = 3
+"""Dynamic local updates: an island's speed is measured over its last this many accepted leases of the run."""
+
+
+def lease_steps(session: Session, run: Run, island_id: int) -> int:
+    """H of the island's next lease: the run's, or with dynamic local updates (min/max_inner_steps) scaled by
+    the island's speed relative to the median island of the run, so that leases take about the same wall time.
+
+    Speed: tokens per second of wall time from lease to accepted upload over the island's last
+    `RECENT_LEASES` leases of the run; an island with none yet is compared by its join probe
+    (`capabilities.tokens_per_s`) to the median probe of the other active islands."""
+    low, high = inner_step_bounds(run)
+    if low == high:
+        return run.inner_steps
+    speeds = _recent_speeds(session, run.id)
+    if island_id in speeds:
+        ratio = speeds[island_id] / statistics.median(speeds.values())
+    else:
+        probes = _probes(session, island_id)
+        own = probes.pop(island_id, None)
+        ratio = own / statistics.median(probes.values()) if own and probes else 1.0
+    return max(low, min(high, round(run.inner_steps * ratio)))
+
+
+def _recent_speeds(session: Session, run_id: int) -> dict[int, float]:
+    """island id -> tokens/s over its last `RECENT_LEASES` accepted leases of the run (recent leases only)."""
+    rows = session.execute(
+        select(Lease.island_id, Contribution.tokens, Lease.issued_at, Contribution.created_at)
+        .join(Contribution, Contribution.lease_id == Lease.id)
+        .where(Lease.run_id == run_id)
+        .order_by(Contribution.id.desc())
+        .limit(64)
+    ).all()
+    tokens: dict[int, float] = {}
+    seconds: dict[int, float] = {}
+    seen: dict[int, int] = {}
+    for island, n, issued, done in rows:
+        if seen.get(island, 0) >= RECENT_LEASES:
+            continue
+        seen[island] = seen.get(island, 0) + 1
+        tokens[island] = tokens.get(island, 0.0) + n
+        seconds[island] = seconds.get(island, 0.0) + max((as_utc(done) - as_utc(issued)).total_seconds(), 1e-3)
+    return {island: tokens[island] / seconds[island] for island in tokens if tokens[island] > 0}
+
+
+def _probes(session: Session, island_id: int) -> dict[int, float]:
+    """island id -> `capabilities.tokens_per_s` of this island and of the other active islands."""
+    probes: dict[int, float] = {}
+    for island, capabilities in session.execute(
+        select(Island.id, Island.capabilities).where(or_(Island.id == island_id, Island.status == IslandStatus.ACTIVE))
+    ):
+        value = capabilities.get("tokens_per_s") if isinstance(capabilities, dict) else None
+        if isinstance(value, int | float) and value > 0:
+            probes[island] = float(value)
+    return probes
 
 
 def _closing(session: Session, rnd: OpenRound) -> bool:
@@ -232,7 +381,12 @@ def next_change(session: Session, rounds: list[OpenRound], *, now: datetime, aff
         times += [r.opened_at + window for r in rounds if r.opened_at is not None and r.opened_at + window > now]
     expiry = session.scalar(
         select(func.min(Lease.expires_at)).where(
-            or_(*(and_(Lease.run_id == r.run_id, Lease.round == r.number) for r in rounds)),
+            or_(
+                *(
+                    Lease.run_id == r.run_id if r.free else and_(Lease.run_id == r.run_id, Lease.round == r.number)
+                    for r in rounds
+                )
+            ),  # fmt: skip
             Lease.status.in_(PENDING_LEASES),
             Lease.expires_at >= now,
         )
@@ -242,9 +396,10 @@ def next_change(session: Session, rounds: list[OpenRound], *, now: datetime, aff
     return min(times, default=None)
 
 
-def _token_range(run: Run, path: Path, num_tokens: int) -> tuple[int, int, int]:
-    """(start, end, epoch) of the path's next lease: its data cursor, wrapping into a new epoch."""
-    need = tokens_per_lease(run)
+def _token_range(run: Run, path: Path, num_tokens: int, steps: int | None) -> tuple[int, int, int]:
+    """(start, end, epoch) of the path's next lease of `steps` inner steps (None: the run's H): its data cursor,
+    wrapping into a new epoch."""
+    need = tokens_per_lease(run, steps)
     start, epoch = path.token_offset, path.epoch
     if start + need > num_tokens:
         # The rest of the shard is too short for a full lease: start the next epoch from the beginning.
@@ -285,14 +440,18 @@ def _new_lease(
     status: LeaseStatus,
     expires: datetime,
     now: datetime,
+    round_: int | None = None,
+    steps: int | None = None,
 ) -> Lease:
-    """A lease on the path's next token range of a shard of `num_tokens`, for modules at `base_versions`."""
-    start, end, epoch = _token_range(run, path, num_tokens)
+    """A lease on the path's next token range of a shard of `num_tokens`, for modules at `base_versions`; its
+    round is the run's current one (an all-async run: `round_`, the path's own count), its H the run's unless
+    `steps` says otherwise."""
+    start, end, epoch = _token_range(run, path, num_tokens, steps)
     return Lease(
         run_id=run.id,
         island_id=island_id,
         path_id=path.id,
-        round=run.current_round,
+        round=run.current_round if round_ is None else round_,
         status=status,
         base_versions=base_versions,
         token_start=start,
@@ -300,6 +459,7 @@ def _new_lease(
         epoch=epoch,
         issued_at=now,
         expires_at=expires,
+        inner_steps=steps,
     )
 
 
@@ -312,8 +472,8 @@ def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list
         path_index=path.index,
         model=run.config["model"],
         inner=run.config["inner"],
-        inner_steps=run.inner_steps,
-        first_step=lease.round * run.inner_steps,
+        inner_steps=lease.inner_steps or run.inner_steps,
+        first_step=path.steps_done if run.schedule == "async" else lease.round * run.inner_steps,
         modules=modules,
         shard=shard,
         token_start=lease.token_start,
@@ -326,7 +486,16 @@ def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list
     )
 
 
-def _issue(session: Session, run: Run, path: Path, island_id: int, *, now: datetime) -> LeasePublic:
+def _issue(
+    session: Session,
+    run: Run,
+    path: Path,
+    island_id: int,
+    *,
+    now: datetime,
+    round_: int | None = None,
+    steps: int | None = None,
+) -> LeasePublic:
     shard, modules = _shard(session, run.id, path.index), _modules(session, path.id)
     expires = now + timedelta(seconds=run.lease_ttl_s)
     versions = {str(m.module_id): m.version for m in modules}
@@ -339,6 +508,8 @@ def _issue(session: Session, run: Run, path: Path, island_id: int, *, now: datet
         status=LeaseStatus.ACTIVE,
         expires=expires,
         now=now,
+        round_=round_,
+        steps=steps,
     )
     session.add(lease)
     session.flush()

@@ -58,6 +58,7 @@ def run_public(run: Run) -> RunPublic:
         quorum=run.quorum,
         round_deadline_s=run.round_deadline_s,
         created_at=as_utc(run.created_at),
+        schedule="async" if run.schedule == "async" else "hybrid" if run.schedule == "hybrid" else "round",
     )
 
 
@@ -77,6 +78,7 @@ def module_public(m: Module) -> ModulePublic:
         level_name=m.level.name,
         index=m.index,
         sharing=m.level.sharing,
+        mode="async" if m.level.mode == "async" else "round",
         version=m.version,
         weights_hash=m.weights_hash,
         num_params=m.num_params,
@@ -256,19 +258,25 @@ def list_contributions(
     count = session.scalar(select(func.count()).select_from(q.order_by(None).subquery())) or 0
     rows = session.execute(q.offset(offset).limit(limit)).all()
     parts: dict[int, list[ContributionModule]] = {c.id: [] for c, _, _ in rows}
-    for contribution_id, module_id, norm, scale, note in session.execute(
+    for contribution_id, module_id, norm, scale, note, base, staleness in session.execute(
         select(
             ContributionGrad.contribution_id,
             ContributionGrad.module_id,
             ContributionGrad.norm,
             ContributionGrad.scale,
             ContributionGrad.note,
+            ContributionGrad.base_version,
+            ContributionGrad.staleness,
         )
         .join(Module, Module.id == ContributionGrad.module_id)
         .where(ContributionGrad.contribution_id.in_(list(parts)))
         .order_by(ContributionGrad.contribution_id, Module.level_index)
     ):
-        parts[contribution_id].append(ContributionModule(module_id=module_id, norm=norm, scale=scale, note=note))
+        parts[contribution_id].append(
+            ContributionModule(
+                module_id=module_id, base_version=base, staleness=staleness, norm=norm, scale=scale, note=note
+            )
+        )
     out = [
         ContributionSummary(
             id=c.id,

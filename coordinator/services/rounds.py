@@ -22,8 +22,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
 
-from coordinator.models import Contribution, ContributionGrad, ModuleStep, Round, Run
+from coordinator.models import Contribution, ContributionGrad, Module, ModuleStep, Round, Run
 from coordinator.services.leases import Affinity, ReadyOffer, offer_next_round
+from coordinator.services.periods import finish_if_done, flush_periods
 from coordinator.states import ContributionStatus, RoundStatus, RunStatus, StepStatus
 from coordinator.timeutil import as_utc
 
@@ -68,10 +69,12 @@ def close_round(session: Session, run_id: int, *, now: datetime) -> ClosedRound 
     modules = session.scalars(
         select(ContributionGrad.module_id)
         .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
+        .join(Module, Module.id == ContributionGrad.module_id)
         .where(
             Contribution.run_id == run.id,
             Contribution.round == number,
             Contribution.status == ContributionStatus.ACCEPTED,
+            Module.period_size.is_(None),  # round levels; async ones step on their own periods
         )
         .distinct()
     ).all()
@@ -79,6 +82,8 @@ def close_round(session: Session, run_id: int, *, now: datetime) -> ClosedRound 
         ModuleStep(run_id=run.id, round=number, module_id=module_id, status=StepStatus.PENDING, attempts=0)
         for module_id in sorted(modules)
     )
+    if number == run.num_rounds - 1:
+        flush_periods(session, run)  # hybrid: the async levels' last contributions are in
     session.commit()
     log.info(
         "run %s: round %s closed (%s of %s paths), %s module steps",
@@ -119,7 +124,7 @@ def _open_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
     """Move the run to its next round (or finish it); offer the next round's paths to their islands."""
     run.current_round += 1
     if run.current_round >= run.num_rounds:
-        run.status = RunStatus.FINISHED
+        finish_if_done(session, run)  # else the last async step finishes it
         return []
     open_round(session, run, run.current_round, now=now)
     return offer_next_round(session, run, now=now, affinity=affinity) if affinity is not None else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Any
 
 from sqlalchemy import func, select
@@ -25,6 +26,7 @@ from modules import (
     level_param_shapes,
     parse_layout,
 )
+from modules.asynchrony import AsyncSettings, period_size
 from modules.layout import Layout
 
 
@@ -54,10 +56,35 @@ def path_params(cfg: ModelConfig, layout: Layout) -> int:
     )
 
 
-def tokens_per_lease(run: Run) -> int:
-    """Tokens one lease reads: H steps of batch x seq_len, plus one for the last target."""
+def tokens_per_lease(run: Run, steps: int | None = None) -> int:
+    """Tokens one lease of `steps` inner steps (default: the run's H) reads: steps x batch x seq_len, plus one for
+    the last target."""
     cfg = run.config
-    return run.inner_steps * cfg["inner"]["batch_size"] * cfg["model"]["seq_len"] + 1
+    return (steps or run.inner_steps) * cfg["inner"]["batch_size"] * cfg["model"]["seq_len"] + 1
+
+
+def run_schedule(run: Run) -> AsyncSettings:
+    """The run's update modes and async settings (runs created before async levels: all round)."""
+    schedule = run.config.get("schedule", {})
+    return AsyncSettings(
+        sync=schedule.get("sync", "round"),
+        max_staleness=schedule.get("max_staleness", 4),
+        damping=schedule.get("staleness_damping", "inverse"),
+        dn_period=schedule.get("dn_period"),
+    )
+
+
+def schedule_of(modes: list[str]) -> str:
+    """`Run.schedule` from the levels' modes: round, async (no rounds: paths lease freely) or hybrid."""
+    if all(mode == "async" for mode in modes):
+        return "async"
+    return "hybrid" if "async" in modes else "round"
+
+
+def inner_step_bounds(run: Run) -> tuple[int, int]:
+    """(min, max) H of a lease: dynamic local updates when they differ."""
+    schedule = run.config.get("schedule", {})
+    return schedule.get("min_inner_steps") or run.inner_steps, schedule.get("max_inner_steps") or run.inner_steps
 
 
 def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_params: int) -> Run:
@@ -78,12 +105,26 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         )
     if session.scalar(select(func.count()).select_from(Run).where(Run.name == spec.name)):
         raise Conflict(f"a run named {spec.name!r} already exists")
+    modes = layout.modes(spec.sync)
+    if spec.min_inner_steps is not None and "round" in modes:
+        raise Invalid(
+            "min_inner_steps/max_inner_steps (dynamic local updates) need every level async: set sync to async "
+            "and drop the ':round' levels of the layout"
+        )
     inner = InnerConfig(**spec.inner.model_dump(), total_steps=spec.num_rounds * spec.inner_steps)
     config: dict[str, Any] = {
         "model": cfg.to_dict(),
         "inner": dataclasses.asdict(inner),
         "outer": spec.outer.model_dump(),
         "codec": spec.codec,
+        "schedule": {
+            "sync": spec.sync,
+            "max_staleness": spec.max_staleness,
+            "staleness_damping": spec.staleness_damping,
+            "dn_period": spec.dn_period,
+            "min_inner_steps": spec.min_inner_steps,
+            "max_inner_steps": spec.max_inner_steps,
+        },
     }
     run = Run(
         name=spec.name,
@@ -99,10 +140,13 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         max_lease_s=spec.max_lease_s,
         quorum=spec.quorum,
         round_deadline_s=spec.round_deadline_s,
+        schedule=schedule_of(list(modes)),
     )
     session.add(run)
     session.flush()
     init = init_level_modules(cfg, layout, seed=spec.seed)
+    choices = [layout.path_modules(p) for p in range(layout.num_paths)]
+    users_of = [Counter(choice[li] for choice in choices) for li in range(len(layout.levels))]
     module_ids: list[list[int]] = []
     for li, level in enumerate(layout.levels):
         row = Level(
@@ -111,6 +155,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
             name=level.name,
             sharing=level.sharing,
             num_modules=layout.num_modules(li),
+            mode=modes[li],
         )
         session.add(row)
         session.flush()
@@ -118,6 +163,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         num_params = sum(t.numel() for t in init[li].values())
         ids = []
         for mi in range(layout.num_modules(li)):
+            users = users_of[li][mi]
             module = Module(
                 run_id=run.id,
                 level_id=row.id,
@@ -127,17 +173,18 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
                 weights_hash=digest,
                 momentum_hash=None,
                 num_params=num_params,
+                period_size=period_size(users, spec.dn_period) if modes[li] == "async" else None,
             )
             session.add(module)
             session.flush()
             session.add(ModuleVersion(module_id=module.id, version=0, weights_hash=digest, round=None))
             ids.append(module.id)
         module_ids.append(ids)
-    for p in range(layout.num_paths):
+    for p, choice in enumerate(choices):
         path = Path(run_id=run.id, index=p)
         session.add(path)
         session.flush()
-        for li, mi in enumerate(layout.path_modules(p)):
+        for li, mi in enumerate(choice):
             session.add(PathModule(path_id=path.id, level_index=li, module_id=module_ids[li][mi]))
     try:
         session.commit()

@@ -66,7 +66,8 @@ def register_shard(
     started = registered == run.num_paths
     if started:
         run.status = RunStatus.RUNNING
-        open_round(session, run, 0, now=now)
+        if run.schedule != "async":  # an all-async run has no rounds: its paths lease freely
+            open_round(session, run, 0, now=now)
     session.commit()
     if started:
         wakeups.notify()

@@ -31,15 +31,15 @@ REFUSED = "refused at verification: "
 
 
 def verify_staged(session: Session, blobs: BlobStore, *, run_id: int, round_: int, module_id: int) -> int:
-    """Verify every direct upload of the round that has a part for `module_id` and is still staged; returns how
-    many this call verified or refused. Leaves no transaction open."""
+    """Verify every direct upload that has a part for `module_id` in its step `round_` (a round, or an async
+    module's period) and is still staged; returns how many this call verified or refused. Leaves no transaction open."""
     staged = session.execute(
         select(Contribution.id, Contribution.staged_key, ContributionGrad.blob_hash)
         .join(ContributionGrad, ContributionGrad.contribution_id == Contribution.id)
         .where(
             ContributionGrad.module_id == module_id,
             Contribution.run_id == run_id,
-            Contribution.round == round_,
+            ContributionGrad.step == round_,
             Contribution.staged_key.is_not(None),
         )
     ).all()

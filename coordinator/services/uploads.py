@@ -19,16 +19,27 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.blobstore import BlobStore, S3BlobStore
-from coordinator.errors import Conflict, Forbidden, Invalid, PayloadTooLarge, ServiceError
+from coordinator.errors import Conflict, Forbidden, Invalid, LeaseSpent, PayloadTooLarge, ServiceError
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.metrics import Metrics
-from coordinator.models import Contribution, ContributionGrad, Lease, Level, Module, Path, PathModule, Round, Run
+from coordinator.models import (
+    Contribution,
+    ContributionGrad,
+    Lease,
+    Level,
+    Module,
+    Path,
+    PathModule,
+    Round,
+    Run,
+)
 from coordinator.schemas import ContributionPublic, UploadCommit, UploadTicket, UploadTicketRequest
 from coordinator.services.closing import RoundCloser
 from coordinator.services.events import record_refused_upload
 from coordinator.services.leases import get_lease
 from coordinator.services.payloads import Payload, header_cap, header_length, validated_header, validated_payload
-from coordinator.services.runs import run_layout, run_model_config
+from coordinator.services.periods import budget_spent, finish_if_done, flush_periods, make_due
+from coordinator.services.runs import run_layout, run_model_config, run_schedule
 from coordinator.states import ContributionStatus, LeaseStatus, RoundStatus, RunStatus
 from modules import Layout, ModelConfig, OuterConfig
 
@@ -59,6 +70,10 @@ class Submitted:
     created: bool
     """False for an idempotent retry of an accepted upload."""
     path_index: int
+    steps: int = 0
+    """Module steps this upload made due (async levels: it completed a period, or the run's last one)."""
+    asynchronous: bool = False
+    """The run has async levels."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +170,14 @@ class UploadDesk:
                 record_refused_upload(
                     self._sessions, lease_id=upload.lease_id, island_id=upload.island_id, error=exc, now=now
                 )
+                if isinstance(exc, LeaseSpent) and retire_lease(session, upload.lease_id, upload.island_id):
+                    self._closer.async_progress(0)  # its path may be free again
                 raise
             contribution = submitted.contribution
             self._metrics.contributions.labels(result="accepted" if submitted.created else "duplicate").inc()
             applied = submitted.created and self._closer.close_ready(session, [contribution.run_id], now=now) > 0
+            if submitted.created and submitted.asynchronous:
+                self._closer.async_progress(submitted.steps)
             return ContributionPublic(
                 id=contribution.id,
                 lease_id=upload.lease_id,
@@ -236,7 +255,7 @@ def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
         run_id=lease.run_id,
         cfg=run_model_config(run),
         layout=run_layout(run),
-        levels=_path_levels(session, lease),
+        levels=_path_levels(session, lease, max_staleness=run_schedule(run).max_staleness),
         outer=OuterConfig(**run.config["outer"]),
         codec=run.config.get("codec", "fp32"),
     )
@@ -300,6 +319,7 @@ def _record(
         raise Conflict(f"path of lease {lease.id} already has a contribution for round {lease.round}") from exc
     if upload.body is not None:
         blobs.put_file(upload.body, upload.body_sha256)
+    slots, steps = _assign_steps(session, run, lease, checked.levels)
     session.add_all(
         ContributionGrad(
             contribution_id=contribution.id,
@@ -308,6 +328,9 @@ def _record(
             prefix=prefix,
             norm=payload.norms[level_index],
             scale=1.0,
+            step=slots[level_index].step,
+            base_version=slots[level_index].base_version,
+            staleness=slots[level_index].staleness,
         )
         for level_index, prefix in payload.prefixes.items()
     )
@@ -321,13 +344,18 @@ def _record(
             tokens_trained=Path.tokens_trained + upload.tokens,
             last_train_loss=upload.train_loss,
             last_island_id=upload.island_id,
+            leases_done=Path.leases_done + 1,
+            steps_done=Path.steps_done + (lease.inner_steps or run.inner_steps),
         )
         .returning(Path.index),
         execution_options={"synchronize_session": False},
     ).scalar_one()
+    if run.schedule == "async" and budget_spent(session, run):
+        steps += flush_periods(session, run)
+        finish_if_done(session, run)
     faults.point("upload.before_commit")
     session.commit()
-    return Submitted(contribution, True, path_index)
+    return Submitted(contribution, True, path_index, steps, run.schedule != "round")
 
 
 def _prior_contribution(session: Session, lease: Lease) -> Contribution | None:
@@ -348,17 +376,21 @@ def _round_status(session: Session, lease: Lease) -> RoundStatus | None:
 def _check_lease(
     run: Run, lease: Lease, round_header: int | None, prior: Contribution | None, round_status: RoundStatus | None
 ) -> None:
-    """The lease may still deliver: its round is the run's current one and still open, it was not released, its
-    path has no contribution for the round yet (`prior`, from another lease)."""
+    """The lease may still deliver: its round is the run's current one and still open (an all-async run: the
+    run is running), it was not released, its path has no contribution for the round yet (`prior`, from another
+    lease)."""
     if round_header is not None and round_header != lease.round:
         raise Conflict(f"upload is for round {round_header}, lease {lease.id} was issued for round {lease.round}")
-    if run.status != RunStatus.RUNNING or run.current_round != lease.round:
-        raise Conflict(
+    if run.schedule == "async":
+        if run.status != RunStatus.RUNNING:
+            raise LeaseSpent(f"lease {lease.id}: run {run.id} is {run.status}")
+    elif run.status != RunStatus.RUNNING or run.current_round != lease.round:
+        raise LeaseSpent(
             f"lease {lease.id} was issued for round {lease.round}, the run is at round {run.current_round}"
             + (" and finished" if run.status == RunStatus.FINISHED else "")
         )
-    if round_status != RoundStatus.OPEN:
-        raise Conflict(
+    if run.schedule != "async" and round_status != RoundStatus.OPEN:
+        raise LeaseSpent(
             f"lease {lease.id} was issued for round {lease.round}, which closed (enough paths contributed) and is "
             "being applied"
         )
@@ -370,16 +402,89 @@ def _check_lease(
         )
 
 
-def _path_levels(session: Session, lease: Lease) -> dict[int, tuple[int, str]]:
-    """level index -> (module id, level name) of the lease's path; checks the lease's base versions."""
+def _path_levels(session: Session, lease: Lease, *, max_staleness: int) -> dict[int, tuple[int, str]]:
+    """level index -> (module id, level name) of the lease's path; checks the lease's base versions: current on
+    round levels, at most `max_staleness` steps old on async ones (checked again under the lock)."""
     rows = session.execute(
-        select(Module.id, Module.level_index, Module.version, Level.name)
+        select(Module.id, Module.level_index, Module.version, Module.period, Module.period_size, Level.name)
         .join(PathModule, PathModule.module_id == Module.id)
         .join(Level, Level.id == Module.level_id)
         .where(PathModule.path_id == lease.path_id)
     ).all()
-    for module_id, _, version, _ in rows:
+    for module_id, _, version, period, size, name in rows:
         base = int(lease.base_versions[str(module_id)])
-        if base != version:
+        if size is not None:
+            _check_staleness(lease, module_id, name, base, period, max_staleness)
+        elif base != version:
             raise Conflict(f"lease {lease.id} trained module {module_id} version {base}, the module is at {version}")
-    return {level_index: (module_id, name) for module_id, level_index, _, name in rows}
+    return {level_index: (module_id, name) for module_id, level_index, _, _, _, name in rows}
+
+
+def retire_lease(session: Session, lease_id: int, island_id: int) -> bool:
+    """Mark an active lease that can never deliver as released (its island may lease again at once, its path is
+    free); commits. Whether it was active."""
+    retired = session.execute(
+        update(Lease)
+        .where(Lease.id == lease_id, Lease.island_id == island_id, Lease.status == LeaseStatus.ACTIVE)
+        .values(status=LeaseStatus.RELEASED)
+    )
+    session.commit()
+    return bool(retired.rowcount)  # type: ignore[attr-defined]
+
+
+def _check_staleness(lease: Lease, module_id: int, name: str, base: int, period: int, max_staleness: int) -> None:
+    if period - base > max_staleness:
+        raise LeaseSpent(
+            f"lease {lease.id} trained module {module_id} (level {name!r}) from version {base}; it has taken "
+            f"{period - base} steps since, over the run's max_staleness of {max_staleness}: ask for a new lease"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """Where one part of an upload goes: the module step that folds it, from which version, how stale."""
+
+    step: int
+    base_version: int
+    staleness: int
+
+
+def _assign_steps(
+    session: Session, run: Run, lease: Lease, levels: dict[int, tuple[int, str]]
+) -> tuple[dict[int, _Slot], int]:
+    """Each part's module step (under the run's shared lock; the async modules' rows locked, in id order): a
+    round level's part goes to the lease's round; an async level's to the module's filling period, which becomes
+    a step for the executors when it is full. Refuses (409) a part staler than the run allows. Returns the
+    slots and how many steps were made due."""
+    size_of = dict(
+        session.execute(
+            select(Module.id, Module.period_size).where(Module.id.in_([m for m, _ in levels.values()]))
+        ).all()
+    )
+    async_ids = sorted(m for m, _ in levels.values() if size_of[m] is not None)
+    locked = {
+        module.id: module
+        for module in session.scalars(
+            select(Module)
+            .where(Module.id.in_(async_ids))
+            .order_by(Module.id)
+            .with_for_update()
+            .execution_options(populate_existing=True)
+        )
+    } if async_ids else {}  # fmt: skip
+    max_staleness = run_schedule(run).max_staleness
+    slots: dict[int, _Slot] = {}
+    due = 0
+    for level_index, (module_id, name) in levels.items():
+        base = int(lease.base_versions[str(module_id)])
+        module = locked.get(module_id)
+        if module is None:
+            slots[level_index] = _Slot(step=lease.round, base_version=base, staleness=0)
+            continue
+        _check_staleness(lease, module_id, name, base, module.period, max_staleness)
+        slots[level_index] = _Slot(step=module.period, base_version=base, staleness=module.period - base)
+        module.period_count += 1
+        assert module.period_size is not None
+        if module.period_count >= module.period_size:
+            due += make_due(session, module)
+    return slots, due

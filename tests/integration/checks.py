@@ -12,33 +12,44 @@ from sqlalchemy.orm import Session
 from coordinator.blobstore import LocalBlobStore
 from coordinator.db import make_engine, make_sessionmaker
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
+from coordinator.services.runs import run_schedule
 from coordinator.states import RoundStatus, RunStatus
 from modules import OuterConfig, RoundAccumulator, contribution_weight, decode, grad_norm, outlier_scales
+from modules.asynchrony import Damping, staleness_weight
 
 
 def verify_run(database_url: str, blob_dir: Path, run_id: int) -> None:
     """Every round applied exactly once, and every module version equal to the outer round of the run's
     `OuterConfig` (`modules.RoundAccumulator`) over the outer gradients of the paths through that module,
-    recomputed from the stored uploads."""
+    recomputed from the stored uploads. An async module: one version per period, each the fold of the parts
+    that joined it (damped by their staleness), every part in exactly one period."""
     blobs = LocalBlobStore(blob_dir)
     engine = make_engine(database_url)
     try:
         with make_sessionmaker(engine)() as session:
             run = session.get_one(Run, run_id)
             outer = OuterConfig(**run.config["outer"])
+            damping = run_schedule(run).damping
             rounds = session.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.number)).all()
-            assert run.status == RunStatus.FINISHED and run.current_round == run.num_rounds
-            assert [(r.number, r.status) for r in rounds] == [(n, RoundStatus.APPLIED) for n in range(run.num_rounds)]
+            assert run.status == RunStatus.FINISHED
+            if run.schedule == "async":  # no rounds
+                assert run.current_round == 0 and rounds == []
+            else:
+                assert run.current_round == run.num_rounds
+                applied = [(n, RoundStatus.APPLIED) for n in range(run.num_rounds)]
+                assert [(r.number, r.status) for r in rounds] == applied
             for module in session.scalars(select(Module).where(Module.run_id == run_id)):
                 history = session.scalars(
                     select(ModuleVersion).where(ModuleVersion.module_id == module.id).order_by(ModuleVersion.version)
                 ).all()
-                # one version per applied round: never applied twice, never skipped
-                assert [h.version for h in history] == list(range(run.num_rounds + 1)), module.id
-                assert [h.round for h in history] == [None, *range(run.num_rounds)]
-                assert history[-1].weights_hash == module.weights_hash and module.version == run.num_rounds
-                for rnd in range(run.num_rounds):
-                    want, want_m = _recompute(session, blobs, outer, module.id, rnd, history[rnd])
+                # one version per applied round (async: per period): never applied twice, never skipped
+                steps = module.period if module.period_size is not None else run.num_rounds
+                assert module.period_count == 0, module.id  # the last partial period was stepped too
+                assert [h.version for h in history] == list(range(steps + 1)), module.id
+                assert [h.round for h in history] == [None, *range(steps)]
+                assert history[-1].weights_hash == module.weights_hash and module.version == steps
+                for rnd in range(steps):
+                    want, want_m = _recompute(session, blobs, outer, damping, module.id, rnd, history[rnd])
                     got = _weights(blobs, history[rnd + 1].weights_hash)
                     got_m = _momentum(blobs, history[rnd + 1])
                     assert (got_m is None) == (want_m is None)
@@ -59,15 +70,22 @@ def _momentum(blobs: LocalBlobStore, version: ModuleVersion) -> dict[str, torch.
 
 
 def _recompute(
-    session: Session, blobs: LocalBlobStore, outer: OuterConfig, module_id: int, rnd: int, base: ModuleVersion
+    session: Session,
+    blobs: LocalBlobStore,
+    outer: OuterConfig,
+    damping: Damping,
+    module_id: int,
+    rnd: int,
+    base: ModuleVersion,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """The module's step of round `rnd`, from the stored uploads: norms measured again, outlier factors as
-    `outlier_scales` gives them (a part refused for a non-finite step must say so), folded in path order."""
+    """The module's step `rnd` (a round, or an async period), from the stored uploads: norms measured again,
+    outlier factors as `outlier_scales` gives them (a part refused for a non-finite step must say so), damped
+    by staleness, folded in path order, then arrival."""
     parts = session.execute(
         select(ContributionGrad, Contribution.tokens)
         .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
-        .where(ContributionGrad.module_id == module_id, Contribution.round == rnd)
-        .order_by(Contribution.path_id)
+        .where(ContributionGrad.module_id == module_id, ContributionGrad.step == rnd)
+        .order_by(Contribution.path_id, Contribution.id)
     ).all()
     assert parts, (module_id, rnd)
     grads = [blobs.load_tensors(row.blob_hash, row.prefix, verified=set()) for row, _ in parts]  # any codec
@@ -79,5 +97,5 @@ def _recompute(
         assert non_finite_step or row.scale == pytest.approx(scale, rel=1e-4), (module_id, rnd, row.note)
     acc = RoundAccumulator()
     for (row, tokens), grad in zip(parts, grads, strict=True):
-        acc.add(grad, contribution_weight(outer, tokens), scale=row.scale)
+        acc.add(grad, contribution_weight(outer, tokens), scale=row.scale * staleness_weight(row.staleness, damping))
     return acc.finish(_weights(blobs, base.weights_hash), _momentum(blobs, base), outer)

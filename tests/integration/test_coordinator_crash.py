@@ -1,5 +1,7 @@
 """The coordinator killed with SIGKILL in the middle of an upload and of a round apply, then restarted: the run
-completes, every round is applied exactly once, and module versions match their recomputed outer steps."""
+completes, every round is applied exactly once, and module versions match their recomputed outer steps. The same
+for an all-async run (a period's step killed mid-commit, an upload killed after it filled a period): every
+contribution is in exactly one period, every period applied once."""
 
 from __future__ import annotations
 
@@ -24,11 +26,19 @@ SPEC = {
 }
 
 
-@pytest.mark.parametrize("point", ["upload.before_commit", "apply.before_commit"])
-def test_sigkill_mid_transaction_then_restart(cluster: Cluster, point: str) -> None:
+@pytest.mark.parametrize(
+    ("point", "sync"),
+    [
+        ("upload.before_commit", "round"),
+        ("apply.before_commit", "round"),
+        ("upload.before_commit", "async"),
+        ("apply.before_commit", "async"),
+    ],
+)
+def test_sigkill_mid_transaction_then_restart(cluster: Cluster, point: str, sync: str) -> None:
     coordinator = cluster.start_coordinator(env={"DIPACO_FAULT_PAUSE_AT": point})
     with cluster.admin() as client:
-        run_id = create_run(client, SPEC)
+        run_id = create_run(client, {**SPEC, "sync": sync, "dn_period": 3})
     # --exit-when-idle: an island that joins only after the run finished leaves instead of waiting for a new run
     islands = [cluster.start_island(f"island-{i}", "--give-up-after", "120", "--exit-when-idle") for i in range(2)]
     marker = cluster.data_dir / f"fault-{point}.reached"

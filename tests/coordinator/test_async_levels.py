@@ -1,0 +1,225 @@
+"""Async and hybrid levels through the real app: periods, staleness (recorded, damped, refused), leases held
+while a module steps, runs that never wait for another path, dynamic local updates, the end of a run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from coordinator.app import create_app
+from coordinator.models import Lease, ModuleStep
+from coordinator.services.apply import ApplyExecutor
+from coordinator.settings import Settings
+from coordinator.states import StepStatus
+from tests.conftest import FakeClock
+from tests.coordinator.helpers import TINY_RUN, A, J, create_running_run, join, lease, train_lease, upload
+
+ASYNC = {"sync": "async", "inner_steps": 2, "num_rounds": 2}
+
+
+@pytest.fixture
+def no_executors(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
+    """The app with no apply executor of its own: due steps wait for the test's executor."""
+    settings.apply_workers = 0
+    with TestClient(create_app(settings, clock=clock)) as client:
+        yield client
+
+
+def _executor(client: TestClient, clock: FakeClock) -> ApplyExecutor:
+    """An executor as the app runs one: its commits wake the lease requests of this process."""
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    return ApplyExecutor(
+        sessions=state.sessions,
+        blobs=state.blobs,
+        clock=clock,
+        name="test-0",
+        on_step=lambda done: state.closer.stepped(done, now=clock()),
+    )
+
+
+def _modules(client: TestClient, run_id: int) -> list[dict[str, Any]]:
+    return list(client.get(f"/v1/modules?run_id={run_id}", headers=A).json()["data"])
+
+
+def _steps(client: TestClient) -> list[tuple[int, int, str]]:
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        rows = session.execute(select(ModuleStep.module_id, ModuleStep.round, ModuleStep.status)).all()
+    return sorted((m, r, str(s)) for m, r, s in rows)
+
+
+def _train_and_upload(client: TestClient, body: dict[str, Any], h: dict[str, str]) -> Any:
+    tokens = body["inner_steps"] * body["inner"]["batch_size"] * body["model"]["seq_len"]
+    return upload(client, body, h, train_lease(client, body, h), tokens=tokens)
+
+
+def test_an_async_run_steps_modules_on_periods_and_finishes_without_rounds(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    client = no_executors
+    run = create_running_run(client, name="async", **ASYNC)
+    assert run["schedule"] == "async"
+    assert client.get(f"/v1/runs/{run['id']}/rounds", headers=A).json()["data"] == []  # no rounds at all
+    islands = [join(client, f"island-{p}") for p in range(4)]
+    leases = [lease(client, i, h) for i, h in islands]
+    assert [body["path_index"] for body in leases if body] == [0, 1, 2, 3]
+    # path 0 uploads and leases again at once: nobody waits for the other paths
+    assert _train_and_upload(client, leases[0], islands[0][1]).status_code == 200  # type: ignore[arg-type]
+    again = lease(client, *islands[0])
+    assert again is not None and again["path_index"] == 0 and again["round"] == 1 and again["first_step"] == 2
+    assert again["token_start"] == leases[0]["token_end"] - 1  # type: ignore[index]
+    assert _steps(client) == []  # every period still filling (embed/head: 4 users; routed: 2)
+    # path 1 fills the period of the routed module paths 0 and 1 share (b0 module 0; paths pick (b0, b1) modules
+    # (0, 0), (0, 1), (1, 0), (1, 1)): one step due
+    assert _train_and_upload(client, leases[1], islands[1][1]).status_code == 200  # type: ignore[arg-type]
+    modules = {(m["level"], m["index"]): m for m in _modules(client, run["id"])}
+    assert all(m["mode"] == "async" for m in modules.values())
+    assert [(m, r) for m, r, _ in _steps(client)] == [(modules[1, 0]["id"], 0)]
+    # while it waits for an executor, paths 0 and 1 are held back (their leases would train stale weights)
+    assert lease(client, *islands[1]) is None
+    assert _executor(client, clock).work() == 1
+    assert modules[1, 0]["version"] == 0 and _modules(client, run["id"])[1]["version"] == 1
+    relet = lease(client, *islands[1])
+    assert relet is not None and relet["path_index"] == 1
+    # path 0's second lease started before that step: its upload is one step stale, accepted and damped
+    assert _train_and_upload(client, again, islands[0][1]).status_code == 200
+    parts = client.get(f"/v1/contributions?run_id={run['id']}", headers=A).json()["data"]
+    second = next(c for c in parts if c["path_index"] == 0 and c["round"] == 1)
+    assert [(m["base_version"], m["staleness"]) for m in second["modules"]] == [(0, 0), (0, 1), (0, 0), (0, 0)]
+
+
+def test_a_contribution_staler_than_the_run_allows_is_refused_with_409(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    client = no_executors
+    run = create_running_run(client, name="stale", max_staleness=0, dn_period=1, **ASYNC)
+    (i0, h0), (i1, h1) = join(client, "fast"), join(client, "slow")
+    first, slow = lease(client, i0, h0), lease(client, i1, h1)
+    assert first is not None and slow is not None
+    assert _train_and_upload(client, first, h0).status_code == 200
+    assert _executor(client, clock).work() == 4  # dn_period 1: each module of path 0 stepped
+    r = _train_and_upload(client, slow, h1)
+    assert r.status_code == 409, r.text
+    detail = r.json()["detail"]
+    assert "from version 0; it has taken 1 steps since, over the run's max_staleness of 0" in detail
+    # nothing changed: the slow path's data cursor did not move, its next lease trains the same range again
+    retry = lease(client, i1, h1)
+    assert retry is not None and retry["path_index"] == slow["path_index"]
+    assert (retry["token_start"], retry["round"]) == (slow["token_start"], slow["round"])
+    assert _train_and_upload(client, retry, h1).status_code == 200
+    events = client.get(f"/v1/events?run_id={run['id']}", headers=A).json()["data"]
+    assert any("max_staleness" in e["detail"] for e in events)
+
+
+def test_the_run_finishes_after_its_last_partial_periods_are_stepped(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    client = no_executors
+    run = create_running_run(client, name="finish", dn_period=3, **ASYNC)  # 4 uploads a path: periods of 3
+    island = join(client, "only")
+    executor = _executor(client, clock)
+    uploads = 0
+    while True:
+        body = lease(client, *island)
+        if body is None:
+            if executor.work() == 0:
+                break
+            continue
+        assert _train_and_upload(client, body, island[1]).status_code == 200
+        uploads += 1
+    assert uploads == 4 * 2  # 4 paths x a budget of 2 leases (num_rounds 2 x H 2 steps)
+    final = client.get(f"/v1/runs/{run['id']}", headers=A).json()
+    assert final["status"] == "finished" and final["current_round"] == 0
+    versions = {(m["level"], m["index"]): m["version"] for m in _modules(client, run["id"])}
+    # embed/head: 8 contributions in periods of 3 -> 3 steps (3, 3, 2); each routed module: 4 -> 2 steps (3, 1)
+    assert versions == {(0, 0): 3, (1, 0): 2, (1, 1): 2, (2, 0): 2, (2, 1): 2, (3, 0): 3}
+    assert all(status == StepStatus.DONE for _, _, status in _steps(client))
+
+
+def test_a_hybrid_run_steps_async_levels_on_arrival_and_the_rest_per_round(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    client = no_executors
+    layout = "embed:shared:async, b0-0:routed2, b1-1:routed2, head:shared:async"
+    run = create_running_run(client, name="hybrid", layout=layout, dn_period=2, inner_steps=2, num_rounds=1)
+    assert run["schedule"] == "hybrid"
+    islands = [join(client, f"island-{p}") for p in range(4)]
+    bodies = [lease(client, i, h) for i, h in islands]
+    executor = _executor(client, clock)
+    for p in (0, 1):
+        assert _train_and_upload(client, bodies[p], islands[p][1]).status_code == 200  # type: ignore[arg-type]
+    modules = {(m["level"], m["index"]): m["id"] for m in _modules(client, run["id"])}
+    # two uploads filled one period of embed and head; the blocks wait for the round
+    assert [(m, r) for m, r, _ in _steps(client)] == [(modules[0, 0], 0), (modules[3, 0], 0)]
+    assert executor.work() == 2
+    for p in (2, 3):
+        assert _train_and_upload(client, bodies[p], islands[p][1]).status_code == 200  # type: ignore[arg-type]
+    assert executor.work() == 2 + 4  # the async levels' second period and the round's 4 block modules
+    final = client.get(f"/v1/runs/{run['id']}", headers=A).json()
+    assert final["status"] == "finished"
+    versions = {(m["level"], m["index"]): (m["mode"], m["version"]) for m in _modules(client, run["id"])}
+    assert versions[0, 0] == ("async", 2) and versions[1, 0] == ("round", 1) and versions[3, 0] == ("async", 2)
+    parts = client.get(f"/v1/contributions?run_id={run['id']}", headers=A).json()["data"]
+    # paths 2 and 3 leased before the first embed step: one step stale on the async levels only
+    late = [c for c in parts if c["path_index"] in (2, 3)]
+    assert all([m["staleness"] for m in c["modules"]] == [1, 0, 0, 1] for c in late)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"min_inner_steps": 1, "max_inner_steps": 4}, "need every level async"),
+        ({"sync": "async", "min_inner_steps": 1}, "set both or neither"),
+        ({"sync": "async", "min_inner_steps": 3, "max_inner_steps": 4}, "must lie within"),
+        ({"layout": "embed:shared:later, b0-0:routed2, b1-1:routed2, head:shared"}, "unknown update mode 'later'"),
+        ({"sync": "sometimes"}, "sync"),
+        ({"max_staleness": -1}, "max_staleness"),
+        ({"dn_period": 0}, "dn_period"),
+    ],
+)
+def test_bad_async_settings_are_refused_with_422(client: TestClient, spec: dict[str, Any], message: str) -> None:
+    r = client.post("/v1/runs", json={**TINY_RUN, "name": "bad", "inner_steps": 2, **spec}, headers=A)
+    assert r.status_code == 422, r.text
+    assert message in r.text
+    assert client.get("/v1/runs", headers=A).json()["data"] == []
+
+
+def test_dynamic_local_updates_scale_each_lease_with_its_island_speed(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    """Joined with probes of 400 and 100 tokens/s, the slow island's first lease is a quarter as long (clamped
+    to the bounds); once it has uploaded, its measured speed decides."""
+    client = no_executors
+    run = create_running_run(client, name="dlu", sync="async", inner_steps=4, num_rounds=6, min_inner_steps=2,
+                             max_inner_steps=8)  # fmt: skip
+    ids = []
+    for name, speed in (("fast", 400.0), ("slow", 100.0)):
+        r = client.post("/v1/islands", json={"name": name, "capabilities": {"tokens_per_s": speed}}, headers=J)
+        assert r.status_code == 201, r.text
+        ids.append((r.json()["island_id"], {"Authorization": f"Bearer {r.json()['token']}"}))
+    (fast_id, fast_h), (slow_id, slow_h) = ids
+    slow_lease = lease(client, slow_id, slow_h)
+    fast_lease = lease(client, fast_id, fast_h)
+    assert slow_lease is not None and fast_lease is not None
+    assert slow_lease["inner_steps"] == 2  # 4 x 100/400 = 1, clamped to min_inner_steps
+    assert fast_lease["inner_steps"] == 8  # 4 x 400/100 = 16, clamped to max_inner_steps
+    batch, seq = run["config"]["inner"]["batch_size"], run["config"]["model"]["seq_len"]
+    assert slow_lease["token_end"] - slow_lease["token_start"] == 2 * batch * seq + 1
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        held = session.scalars(select(Lease.inner_steps).order_by(Lease.id)).all()
+    assert held == [2, 8]
+    # both upload after the same wall time: measured, fast trained 4x the tokens per second; against the median
+    # of the two (2.5x slow's), fast's next lease is 4 x 1.6 = 6 steps (its probe said 16, clamped to 8)
+    clock.advance(10)
+    assert _train_and_upload(client, slow_lease, slow_h).status_code == 200
+    assert _train_and_upload(client, fast_lease, fast_h).status_code == 200
+    assert _executor(client, clock).work() == 1  # the routed module paths 0 and 1 share
+    slow_again, fast_again = lease(client, slow_id, slow_h), lease(client, fast_id, fast_h)
+    assert slow_again is not None and fast_again is not None
+    assert (slow_again["path_index"], slow_again["inner_steps"], slow_again["first_step"]) == (0, 2, 2)
+    assert (fast_again["path_index"], fast_again["inner_steps"], fast_again["first_step"]) == (1, 6, 8)

@@ -1,0 +1,119 @@
+"""Asynchronous and hybrid updates in the reference: staleness, periods, and their reduction to rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modules import InnerConfig, ModelConfig, OuterConfig, parse_layout, simulate
+from modules.asynchrony import AsyncSettings, Lease, Upload, period_size, simulate_async, staleness_weight
+
+CFG = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4)
+INNER = InnerConfig(lr=3e-3, warmup_steps=2, total_steps=12, batch_size=2)
+OUTER = OuterConfig()
+H = 2
+LAYOUT = "embed:shared, b0-0:routed2, b1-1:routed2, head:shared"
+
+
+def shard(path: int, n: int = 600) -> torch.Tensor:
+    i = torch.arange(n)
+    return ((i * (3 + 2 * path) + (i // 7) * (path + 1)) % 50 + 10 * path) % CFG.vocab_size
+
+
+def rounds_of(num_paths: int, rounds: int) -> list[Lease | Upload]:
+    """The round schedule as events: every path leases, then every path uploads, in path order."""
+    events: list[Lease | Upload] = []
+    for _ in range(rounds):
+        events += [Lease(p, H) for p in range(num_paths)]
+        events += [Upload(p) for p in range(num_paths)]
+    return events
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_staleness_weight_and_period() -> None:
+    assert [staleness_weight(s) for s in (0, 1, 3)] == [1.0, 0.5, 0.25]
+    assert staleness_weight(7, "none") == 1.0
+    with pytest.raises(ValueError, match="staleness must be >= 0"):
+        staleness_weight(-1)
+    with pytest.raises(ValueError, match="unknown staleness damping 'linear'"):
+        staleness_weight(1, "linear")  # type: ignore[arg-type]
+    assert period_size(4, None) == 4 and period_size(4, 2) == 2
+    with pytest.raises(ValueError, match="at least one path"):
+        period_size(0, None)
+
+
+@pytest.mark.parametrize("sync", ["round", "async"])
+def test_round_order_reduces_to_the_round_simulator(sync: str) -> None:
+    """Every path leasing and uploading once per period, periods of the module's users: async equals rounds
+    bit for bit (Delayed Nesterov with c = 0 is the round schedule when arrivals line up)."""
+    layout = parse_layout(LAYOUT, n_layers=2)
+    tokens = [shard(p) for p in range(4)]
+    ref = simulate(CFG, layout, INNER, OUTER, steps_per_round=H, rounds=3, seed=0, tokens=tokens)
+    got = simulate_async(
+        CFG, layout, INNER, OUTER, AsyncSettings(sync=sync),  # type: ignore[arg-type]
+        events=rounds_of(4, 3), budget_steps=3 * H, seed=0, tokens=tokens,
+    )  # fmt: skip
+    assert [u.loss for u in got.uploads] == [loss for r in ref.losses for loss in r]
+    for lv in range(4):
+        for m, weights in enumerate(ref.modules[lv]):
+            assert same(got.modules[lv][m], weights)
+    assert got.versions == [[3], [3, 3], [3, 3], [3]]
+    assert all(s == 0 for u in got.uploads for s in u.staleness)
+
+
+def test_a_fast_path_makes_the_others_stale_and_damped() -> None:
+    """Path 0 uploads twice while path 1 holds its first lease: the shared modules step on every upload
+    (`dn_period` 1), so path 1 arrives two versions late and is refused (max 1); its retry trains the same
+    token range from the new weights."""
+    layout = parse_layout("embed:shared, b0-1:routed2, head:shared", n_layers=2)
+    tokens = [shard(p) for p in range(2)]
+    settings = AsyncSettings(sync="async", max_staleness=1, dn_period=1)
+    events: list[Lease | Upload] = [Lease(0, H), Lease(1, H), Upload(0), Lease(0, H), Upload(0), Upload(1)]
+    events += [Lease(1, H), Upload(1), Lease(0, H), Upload(0), Lease(1, H), Upload(1), Lease(1, H), Upload(1)]
+    got = simulate_async(CFG, layout, INNER, OUTER, settings, events=events, budget_steps=3 * H, seed=0, tokens=tokens)
+    staleness = [(u.path, u.staleness, u.refused is not None) for u in got.uploads]
+    assert staleness[:3] == [(0, [0, 0, 0], False), (0, [0, 0, 0], False), (1, [2, 0, 2], True)]
+    assert staleness[3] == (1, [0, 0, 0], False)
+    assert got.versions == [[6], [3, 3], [6]]  # shared: every accepted upload; routed: its own path's
+    refused = got.uploads[2]
+    assert refused.refused == "staleness 2 over max_staleness 1"
+
+
+def test_budget_and_lease_order_are_checked() -> None:
+    layout = parse_layout(LAYOUT, n_layers=2)
+    tokens = [shard(p) for p in range(4)]
+    settings = AsyncSettings(sync="async")
+    with pytest.raises(ValueError, match="uploads without a lease"):
+        simulate_async(CFG, layout, INNER, OUTER, settings, events=[Upload(0)], budget_steps=H, seed=0, tokens=tokens)
+    with pytest.raises(ValueError, match="already holds a lease"):
+        simulate_async(
+            CFG, layout, INNER, OUTER, settings, events=[Lease(0, H), Lease(0, H)], budget_steps=H, seed=0,
+            tokens=tokens,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"paths \[1, 2, 3\] did not spend their budget"):
+        simulate_async(
+            CFG, layout, INNER, OUTER, settings, events=[Lease(0, H), Upload(0)], budget_steps=H, seed=0,
+            tokens=tokens,
+        )  # fmt: skip
+
+
+def test_a_stale_part_moves_its_module_by_its_damped_share() -> None:
+    """One part of staleness 1 (1/(1+s) = 0.5) next to a fresh one: the step is Nesterov on
+    (0.5 g_stale + g_fresh) / 2, the weight total undamped."""
+    from modules import nesterov_step
+    from modules.asynchrony import _Module, _Part, fold
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {"w": torch.randn(3, 4, generator=gen)}
+    g1, g2 = {"w": torch.randn(3, 4, generator=gen) * 0.01}, {"w": torch.randn(3, 4, generator=gen) * 0.01}
+    module = _Module(weights=weights)
+    parts = [_Part(path=1, seq=2, grad=g2, tokens=8, staleness=0), _Part(path=0, seq=1, grad=g1, tokens=8, staleness=1)]
+    new, momentum = fold(module, parts, OUTER, "inverse")
+    want, want_m = nesterov_step(weights, {"w": (g1["w"] * 0.5 + g2["w"]) / 2}, None, OUTER)
+    assert torch.allclose(new["w"], want["w"], atol=1e-7) and momentum is not None
+    assert torch.allclose(momentum["w"], want_m["w"], atol=1e-7)
+    undamped, _ = fold(module, parts, OUTER, "none")
+    assert not torch.allclose(undamped["w"], new["w"])
