@@ -135,6 +135,9 @@ class Module(Base):
     period_size: Mapped[int | None] = mapped_column(
         Integer, comment="Async: contributions per outer step; NULL on round levels"
     )
+    weight_norm: Mapped[float | None] = mapped_column(
+        Float, comment="L2 norm of the current weights, all tensors together (fp32); NULL: not measured"
+    )
 
     level: Mapped[Level] = relationship(lazy="raise")
 

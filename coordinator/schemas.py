@@ -246,6 +246,11 @@ class ModulePublic(BaseModel):
     weights_hash: str
     num_params: int
     updated_at: datetime
+    weight_norm: float | None = Field(
+        default=None,
+        description="L2 norm of the current weights, all tensors together (fp32), measured when the version was "
+        "written; null: not measured (modules of runs created before it was recorded)",
+    )
 
 
 class PathPublic(BaseModel):
@@ -308,6 +313,18 @@ class IslandJoined(BaseModel):
     heartbeat_interval_s: float
 
 
+class IslandStats(BaseModel):
+    """What an island has contributed, over every run, measured by the coordinator."""
+
+    contributions: int = Field(description="Contributions recorded for the island's leases")
+    tokens_trained: int = Field(description="Tokens of those contributions")
+    upload_bytes: int = Field(description="Bytes of their outer-gradient uploads")
+    tokens_per_s: float | None = Field(
+        description="Measured over its last 10 contributions: their tokens / the time from each lease's issue to "
+        "its upload (fetch, train, upload); null with no contribution"
+    )
+
+
 class IslandPublic(BaseModel):
     id: int
     name: str
@@ -316,6 +333,9 @@ class IslandPublic(BaseModel):
     capabilities: IslandCapabilities
     last_heartbeat: datetime | None
     created_at: datetime
+    stats: IslandStats | None = Field(
+        default=None, description="Contributions, tokens and upload bytes, and its measured tokens/s"
+    )
 
 
 class HeartbeatReply(BaseModel):

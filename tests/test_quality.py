@@ -154,7 +154,9 @@ def test_report_flags_what_cannot_be_right_and_judges_no_target_on_it() -> None:
     }
     assert "rose +93% from round 0 (87.00) to round 1 (168.00)" in flags[0].detail
     got = qr.targets([dense, two, wide])
-    assert got[0].value == pytest.approx(16.4 / 172.0) and not got[0].met and got[0].flagged == ("dense-S", "DiPaCo 2x2")
+    assert (
+        got[0].value == pytest.approx(16.4 / 172.0) and not got[0].met and got[0].flagged == ("dense-S", "DiPaCo 2x2")
+    )
     assert not qr.all_met(got)
     text = render(qr.targets_table(got))
     assert "not judged, inputs flagged" in text and "yes" not in text

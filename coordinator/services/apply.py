@@ -38,7 +38,7 @@ from coordinator.models import Contribution, ContributionGrad, Module, ModuleSte
 from coordinator.services.leases import Affinity, ReadyOffer
 from coordinator.services.periods import finish_if_done
 from coordinator.services.rounds import finish_round
-from coordinator.services.runs import run_schedule
+from coordinator.services.runs import run_schedule, weight_norm
 from coordinator.services.staging import REFUSED, verify_staged
 from coordinator.states import ContributionStatus, StepStatus
 from modules import (
@@ -188,6 +188,15 @@ class _Part:
     note: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _NewVersion:
+    """A module step's result, in the blob store: the new weights and momentum, and the weights' L2 norm."""
+
+    weights_hash: str
+    momentum_hash: str | None
+    weight_norm: float | None
+
+
 def apply_step(
     session: Session,
     blobs: BlobStore,
@@ -209,14 +218,15 @@ def apply_step(
     session.rollback()  # the math runs outside any transaction
     started = time.perf_counter()
     stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer, damping)
-    new_hashes = None
+    new_version = None
     if stepped is not None:
         new_params, new_momentum = stepped
-        new_hashes = (
-            blobs.put_bytes(encode(new_params)),
-            blobs.put_bytes(encode(new_momentum)) if new_momentum is not None else None,
+        new_version = _NewVersion(
+            weights_hash=blobs.put_bytes(encode(new_params)),
+            momentum_hash=blobs.put_bytes(encode(new_momentum)) if new_momentum is not None else None,
+            weight_norm=weight_norm(new_params),  # the tensors in hand: nothing more is read
         )
-    return _commit(session, claimed, name, base_version, parts, new_hashes, clock=clock, faults=faults,
+    return _commit(session, claimed, name, base_version, parts, new_version, clock=clock, faults=faults,
                    affinity=affinity, started=started)  # fmt: skip
 
 
@@ -307,7 +317,7 @@ def _commit(
     name: str,
     base_version: int,
     parts: list[_Part],
-    new_hashes: tuple[str, str | None] | None,
+    new_version: _NewVersion | None,
     *,
     clock: Callable[[], datetime],
     faults: FaultInjector,
@@ -335,9 +345,10 @@ def _commit(
         )
         return None
     asynchronous = module.period_size is not None
-    if new_hashes is not None or asynchronous:  # an async step always makes a version: staleness counts steps
-        if new_hashes is not None:
-            module.weights_hash, module.momentum_hash = new_hashes
+    if new_version is not None or asynchronous:  # an async step always makes a version: staleness counts steps
+        if new_version is not None:
+            module.weights_hash, module.momentum_hash = new_version.weights_hash, new_version.momentum_hash
+            module.weight_norm = new_version.weight_norm
         module.version += 1
         module.updated_at = now
         session.add(

@@ -27,6 +27,7 @@ from coordinator.schemas import (
     ContributionSummary,
     IslandCapabilities,
     IslandPublic,
+    IslandStats,
     ModulePublic,
     PathPublic,
     RoundPublic,
@@ -83,6 +84,7 @@ def module_public(m: Module) -> ModulePublic:
         weights_hash=m.weights_hash,
         num_params=m.num_params,
         updated_at=as_utc(m.updated_at),
+        weight_norm=m.weight_norm,
     )
 
 
@@ -191,7 +193,7 @@ def get_path(session: Session, path_id: int) -> PathPublic:
     return paths_public(session, [p])[0]
 
 
-def island_public(i: Island) -> IslandPublic:
+def island_public(i: Island, stats: IslandStats | None = None) -> IslandPublic:
     return IslandPublic(
         id=i.id,
         name=i.name,
@@ -200,7 +202,65 @@ def island_public(i: Island) -> IslandPublic:
         capabilities=IslandCapabilities(**i.capabilities),
         last_heartbeat=as_utc(i.last_heartbeat) if i.last_heartbeat else None,
         created_at=as_utc(i.created_at),
+        stats=stats,
     )
+
+
+RECENT_CONTRIBUTIONS = 10
+"""An island's measured tokens/s is taken over its last this many contributions."""
+
+
+def island_stats(session: Session, island_ids: list[int]) -> dict[int, IslandStats]:
+    """Each island's contributions, tokens, upload bytes and measured tokens/s: two queries for the whole page
+    (the sums grouped by island; the last `RECENT_CONTRIBUTIONS` of each island by a window), not two per island.
+
+    Tokens/s: the recent contributions' tokens over the wall time from each one's lease to its upload (fetch,
+    train and upload together; at least 1 ms each, as `leases.lease_steps` measures an island's speed)."""
+    if not island_ids:
+        return {}
+    sums = {
+        island_id: (n, int(tokens), int(upload_bytes))
+        for island_id, n, tokens, upload_bytes in session.execute(
+            select(
+                Lease.island_id,
+                func.count(Contribution.id),
+                func.coalesce(func.sum(Contribution.tokens), 0),
+                func.coalesce(func.sum(Contribution.upload_bytes), 0),
+            )
+            .join(Lease, Lease.id == Contribution.lease_id)
+            .where(Lease.island_id.in_(island_ids))
+            .group_by(Lease.island_id)
+        )
+    }
+    newest_first = (
+        func.row_number().over(partition_by=Lease.island_id, order_by=Contribution.id.desc()).label("newest_first")
+    )
+    recent = (
+        select(Lease.island_id, Contribution.tokens, Lease.issued_at, Contribution.created_at, newest_first)
+        .join(Lease, Lease.id == Contribution.lease_id)
+        .where(Lease.island_id.in_(island_ids))
+        .subquery()
+    )
+    tokens: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    for island_id, n, issued, done in session.execute(
+        select(recent.c.island_id, recent.c.tokens, recent.c.issued_at, recent.c.created_at).where(
+            recent.c.newest_first <= RECENT_CONTRIBUTIONS
+        )
+    ):
+        tokens[island_id] = tokens.get(island_id, 0) + n
+        took = max((as_utc(done) - as_utc(issued)).total_seconds(), 1e-3)
+        seconds[island_id] = seconds.get(island_id, 0.0) + took
+    out = {}
+    for island_id in island_ids:
+        n, total, upload_bytes = sums.get(island_id, (0, 0, 0))
+        out[island_id] = IslandStats(
+            contributions=n,
+            tokens_trained=total,
+            upload_bytes=upload_bytes,
+            tokens_per_s=tokens[island_id] / seconds[island_id] if island_id in seconds else None,
+        )
+    return out
 
 
 def list_islands(
@@ -210,7 +270,8 @@ def list_islands(
     if status:
         q = q.where(Island.status == status)
     rows, count = _page(session, q, offset=offset, limit=limit)
-    return [island_public(i) for i in rows], count
+    stats = island_stats(session, [i.id for i in rows])
+    return [island_public(i, stats[i.id]) for i in rows], count
 
 
 def list_rounds(session: Session, run_id: int) -> list[RoundPublic]:

@@ -22,12 +22,14 @@ from modules import (
     ModelConfig,
     encode,
     flavour,
+    grad_norm,
     init_level_modules,
     level_param_shapes,
     parse_layout,
 )
 from modules.asynchrony import AsyncSettings, period_size
 from modules.layout import Layout
+from modules.outer import Tensors
 
 
 def model_config(spec: RunCreate) -> ModelConfig:
@@ -85,6 +87,13 @@ def inner_step_bounds(run: Run) -> tuple[int, int]:
     """(min, max) H of a lease: dynamic local updates when they differ."""
     schedule = run.config.get("schedule", {})
     return schedule.get("min_inner_steps") or run.inner_steps, schedule.get("max_inner_steps") or run.inner_steps
+
+
+def weight_norm(weights: Tensors) -> float | None:
+    """`Module.weight_norm`: the L2 norm of a module's weights, all tensors together (`modules.grad_norm` is that
+    norm of any tensors); None when a value is not finite (never for a version the outer step let through)."""
+    norm = grad_norm(weights)
+    return norm if math.isfinite(norm) else None
 
 
 def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_params: int) -> Run:
@@ -161,6 +170,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         session.flush()
         digest = blobs.put_bytes(encode(init[li]))
         num_params = sum(t.numel() for t in init[li].values())
+        norm = weight_norm(init[li])  # the level's modules all start from the same weights
         ids = []
         for mi in range(layout.num_modules(li)):
             users = users_of[li][mi]
@@ -173,6 +183,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
                 weights_hash=digest,
                 momentum_hash=None,
                 num_params=num_params,
+                weight_norm=norm,
                 period_size=period_size(users, spec.dn_period) if modes[li] == "async" else None,
             )
             session.add(module)

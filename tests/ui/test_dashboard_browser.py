@@ -5,7 +5,8 @@ Checks, each kept as a screenshot (1280x800) under the test's tmp dir (the path 
   without a token the page shows only the prompt, asks the API nothing and shows no data; a wrong token is
   refused with the server's reason; with the token (URL fragment, removed from the address bar at once) the page
   shows the run, a loss plot with one line per path, labelled axes and a legend, that gains points as rounds
-  apply (no reload), the islands with their current lease, and a refused upload's reason among the events.
+  apply (no reload), the islands with their current lease, and a refused upload's reason among the events; once
+  the run is over, each module's weight norm and each training island's measured tokens/s, tokens and bytes up.
 Throughout: every request goes to the coordinator only, none carries the token in its URL, no console errors
 (CSP violations included).
 """
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from coordinator.client import CoordinatorClient, RequestRejected, RetryPolicy
+from coordinator.schemas import IslandCapabilities
 from tests.conftest import ADMIN, JOIN
 from tests.integration.conftest import Cluster, create_run, wait_finished
 
@@ -76,6 +78,22 @@ def _data_rows(page: Any) -> int:
     )
 
 
+COLUMN_JS = """([table, header]) => {
+    const t = document.getElementById(table);
+    const at = [...t.tHead.rows[0].cells].findIndex((th) => th.textContent.trim() === header);
+    return at < 0 ? [] : [...t.tBodies[0].rows].map((r) => [r.cells[1].innerText, r.cells[at].innerText]);
+}"""
+"""Table `table`'s cells under the column headed `header`, each with its row's second cell (a name, an index)."""
+
+
+def _column(page: Any, table: str, header: str) -> list[tuple[str, str]]:
+    return [(key, cell) for key, cell in page.evaluate(COLUMN_JS, [table, header])]
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", "").split()[0])
+
+
 def _chart(page: Any) -> dict[str, int]:
     return {
         k: int(v)
@@ -98,7 +116,7 @@ def test_dashboard_during_a_live_run(browser: Any, tmp_path: Path) -> None:
         with cluster.admin() as admin_http:
             run_id = create_run(admin_http, SPEC)
         prober = CoordinatorClient(cluster.url, JOIN, retry=RetryPolicy.once())
-        prober.join("prober", site="test-bench")
+        prober.join("prober", site="test-bench", capabilities=IslandCapabilities(tokens_per_s=1234.0))
         lease = prober.lease()
         assert lease is not None, "the prober found no free path"
         with pytest.raises(RequestRejected) as refused:
@@ -201,6 +219,28 @@ def test_dashboard_during_a_live_run(browser: Any, tmp_path: Path) -> None:
         page.evaluate("() => window.scrollTo(0, 0)")
         shots(page, "finished-run")
         shots(page, "finished-run-full-page", full_page=True)
+
+        # ... each module's weight norm, and what each island trained, measured by the coordinator
+        norms = [cell for _, cell in _column(page, "modules", "weight norm")]
+        assert len(norms) == 6 and all(_number(norm) > 0 for norm in norms), norms
+        page.wait_for_function(
+            f"() => {{ const c = Object.fromEntries(({COLUMN_JS})(['islands', 'tokens trained']));"
+            " return ['island-a', 'island-b'].every((n) => Number((c[n] || '0').replace(/,/g, '')) > 0); }",
+            timeout=WAIT_MS,
+        )
+        trained = dict(_column(page, "islands", "tokens trained"))
+        speed = dict(_column(page, "islands", "tokens/s"))
+        sent = dict(_column(page, "islands", "bytes up"))
+        for name in ("island-a", "island-b"):
+            assert _number(trained[name]) > 0 and _number(speed[name]) > 0, (trained, speed)
+            assert "(probe)" not in speed[name]  # measured, not the probe's (--no-probe: there is none)
+            assert sent[name].endswith("B") and _number(sent[name]) > 0, sent
+        # the prober's upload was refused: no contribution, so its join probe's tokens/s, labelled as such
+        assert _number(trained["prober"]) == 0 and sent["prober"] == "0 B" and speed["prober"] == "1,234 (probe)"
+        page.locator("#modules").scroll_into_view_if_needed()
+        shots(page, "module-weight-norms")
+        page.locator("#islands-section").scroll_into_view_if_needed()
+        shots(page, "islands-measured")
 
         # 8. forgetting the token takes the data off the page
         page.click("#sign-out")

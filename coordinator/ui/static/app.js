@@ -374,6 +374,9 @@
           el("td", {}, m.index),
           el("td", {}, m.sharing),
           el("td", { class: "num" }, m.version),
+          m.weight_norm === null || m.weight_norm === undefined
+            ? el("td", { class: "num", title: "not measured (written before weight norms were recorded)" }, "–")
+            : el("td", { class: "num", title: String(m.weight_norm) }, fmtNum(m.weight_norm, 3)),
           el("td", { class: "num" }, fmtInt(m.num_params)),
           el("td", { title: m.updated_at }, fmtTime(m.updated_at))
         )
@@ -399,6 +402,21 @@
     );
   }
 
+  // tokens/s measured by the coordinator over the island's last contributions; before its first one, the join
+  // probe's estimate, labelled as such
+  function speedCell(measured, probe) {
+    if (measured !== null && measured !== undefined) {
+      return el("td", { class: "num", title: "measured over its last 10 contributions" }, fmtInt(Math.round(measured)));
+    }
+    if (probe === null || probe === undefined) return el("td", { class: "num" }, "–");
+    return el(
+      "td",
+      { class: "num", title: "the join probe's estimate: no contribution measured yet" },
+      fmtInt(Math.round(probe)),
+      el("span", { class: "muted" }, " (probe)")
+    );
+  }
+
   async function pollIslands() {
     const [islands, leases] = await Promise.all([firstPage("islands"), firstPage("leases", { status: "active" })]);
     const current = new Map();
@@ -408,6 +426,7 @@
       islands.data.map((i) => {
         const l = current.get(i.id);
         const caps = i.capabilities || {};
+        const stats = i.stats || {};
         return el(
           "tr",
           { island: String(i.id) },
@@ -416,7 +435,11 @@
           el("td", {}, i.site),
           el("td", {}, caps.device || "–"),
           el("td", { class: "num" }, fmtBytes(caps.memory_bytes)),
-          el("td", { class: "num" }, fmtInt(caps.tokens_per_s == null ? null : Math.round(caps.tokens_per_s))),
+          speedCell(stats.tokens_per_s, caps.tokens_per_s),
+          el("td", { class: "num" }, fmtInt(stats.tokens_trained)),
+          el("td", { class: "num", title: fmtInt(stats.upload_bytes) + " B" }, fmtBytes(stats.upload_bytes)),
+          // no "bytes down" column: downloads (weights, shards) are not recorded per island, only counted per kind
+          // in the process's metrics (dipaco_bytes_out), and direct transfers from a bucket not at all
           el("td", { title: i.last_heartbeat || "" }, fmtAgo(i.last_heartbeat)),
           el("td", {}, l ? `run ${l.run_id} · round ${l.round} · path ${l.path_index}` : "idle"),
           el("td", { class: "status-" + i.status }, i.status)
