@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, and_, case, func, or_, select, update
+from sqlalchemy import Select, and_, case, func, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from coordinator.errors import Conflict, Forbidden, NotFound
@@ -178,11 +178,7 @@ def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity:
         query = query.where(~_stepping(Path.id))
     opened = rnd.opened_at
     if affinity.reserve_s > 0 and opened is not None and now < opened + timedelta(seconds=affinity.reserve_s):
-        others = select(Island.id).where(
-            Island.id != island_id,
-            Island.status == IslandStatus.ACTIVE,
-            Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s),
-        )
+        others = _live_islands(island_id, now, affinity)
         query = query.where(or_(Path.last_island_id.is_(None), Path.last_island_id.not_in(others)))
     warm_first = case((Path.last_island_id == island_id, 0), else_=1)
     return query.order_by(warm_first, Path.index).limit(1)
@@ -199,19 +195,48 @@ def _stepping(path_id: object) -> Any:
     )
 
 
-def _free_async_path_query(rnd: OpenRound, island_id: int, *, now: datetime, budget: int) -> Select[Path]:
+def _latest_path(run_id: int, islands: Any) -> Select[int]:
+    """The path of the latest lease in the run of each island in `islands` (a select of island ids)."""
+    latest = (
+        select(func.max(Lease.id)).where(Lease.run_id == run_id, Lease.island_id.in_(islands)).group_by(Lease.island_id)
+    )
+    return select(Lease.path_id).where(Lease.id.in_(latest))
+
+
+def _free_async_path_query(
+    rnd: OpenRound, island_id: int, *, now: datetime, budget: int, affinity: Affinity
+) -> Select[Path]:
     """Paths of an all-async run that are free for this island: not leased, budget not spent, no module being
-    stepped; its warm path first, then the path that trained least, then by index."""
+    stepped, and (affinity on) not the latest path of another live island, which keeps it between two of its
+    leases (its AdamW state and error-feedback residual live there); its warm path first, then the path that
+    trained least, then by index."""
     busy = select(Lease.path_id).where(
         Lease.run_id == rnd.run_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now
     )
-    warm_first = case((Path.last_island_id == island_id, 0), else_=1)
-    return (
-        select(Path)
-        .where(Path.run_id == rnd.run_id, Path.id.not_in(busy), Path.steps_done < budget, ~_stepping(Path.id))
-        .order_by(warm_first, Path.steps_done, Path.index)
-        .limit(1)
+    query = select(Path).where(
+        Path.run_id == rnd.run_id, Path.id.not_in(busy), Path.steps_done < budget, ~_stepping(Path.id)
     )
+    if affinity.reserve_s > 0:
+        query = query.where(Path.id.not_in(_latest_path(rnd.run_id, _live_islands(island_id, now, affinity))))
+    warm_first = case((Path.last_island_id == island_id, 0), else_=1)
+    return query.order_by(warm_first, Path.steps_done, Path.index).limit(1)
+
+
+def _live_islands(island_id: int, now: datetime, affinity: Affinity) -> Select[int]:
+    """Other islands that are active and heartbeated within `affinity.live_s`."""
+    return select(Island.id).where(
+        Island.id != island_id,
+        Island.status == IslandStatus.ACTIVE,
+        Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s),
+    )
+
+
+def _own_path_stepping(session: Session, run_id: int, island_id: int, budget: int) -> bool:
+    """Whether the island's latest path in the run still has steps to train but waits for a module step: the
+    island then waits for it (well under a lease's time) rather than taking another path cold."""
+    own = _latest_path(run_id, select(literal(island_id))).scalar_subquery()
+    held = select(Path.id).where(Path.id == own, Path.steps_done < budget, _stepping(Path.id))
+    return session.scalar(held) is not None
 
 
 def acquire_lease(
@@ -232,7 +257,7 @@ def acquire_lease(
     """
     for rnd in rounds:
         if rnd.free:
-            issued = _acquire_free(session, island_id, rnd, now=now, max_leases=max_leases)
+            issued = _acquire_free(session, island_id, rnd, now=now, max_leases=max_leases, affinity=affinity)
             if issued is not None:
                 return issued
             continue
@@ -261,13 +286,16 @@ def acquire_lease(
 
 
 def _acquire_free(
-    session: Session, island_id: int, rnd: OpenRound, *, now: datetime, max_leases: int
+    session: Session, island_id: int, rnd: OpenRound, *, now: datetime, max_leases: int, affinity: Affinity
 ) -> tuple[LeasePublic, int] | None:
-    """A lease of an all-async run (committed): the same probe-then-lock as a round's, on the path's own count."""
+    """A lease of an all-async run (committed): the same probe-then-lock as a round's, on the path's own count.
+    With affinity on, an island whose own path waits for a module step waits too (`_own_path_stepping`)."""
     budget = session.scalar(select(Run.num_rounds * Run.inner_steps).where(Run.id == rnd.run_id))
     if budget is None:
         return None
-    probe = _free_async_path_query(rnd, island_id, now=now, budget=budget).with_only_columns(Path.id)
+    if affinity.reserve_s > 0 and _own_path_stepping(session, rnd.run_id, island_id, budget):
+        return None
+    probe = _free_async_path_query(rnd, island_id, now=now, budget=budget, affinity=affinity).with_only_columns(Path.id)
     if session.scalar(probe) is None:
         return None
     run = session.scalar(
@@ -277,7 +305,7 @@ def _acquire_free(
         session.rollback()
         return None
     expired = expire_stale_leases(session, now=now, run_id=run.id)
-    path = session.scalar(_free_async_path_query(rnd, island_id, now=now, budget=budget))
+    path = session.scalar(_free_async_path_query(rnd, island_id, now=now, budget=budget, affinity=affinity))
     if path is None:
         session.rollback()
         return None

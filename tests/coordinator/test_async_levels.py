@@ -223,3 +223,33 @@ def test_dynamic_local_updates_scale_each_lease_with_its_island_speed(
     assert slow_again is not None and fast_again is not None
     assert (slow_again["path_index"], slow_again["inner_steps"], slow_again["first_step"]) == (0, 2, 2)
     assert (fast_again["path_index"], fast_again["inner_steps"], fast_again["first_step"]) == (1, 6, 8)
+
+
+def test_an_async_island_keeps_its_path_across_a_module_step(no_executors: TestClient, clock: FakeClock) -> None:
+    """Its AdamW state and error-feedback residual live with its path: while a module of that path waits for an
+    executor the island waits too (it used to take another path cold), and another island does not take the
+    path between two of its leases."""
+    client = no_executors
+    create_running_run(client, name="sticky", **(ASYNC | {"num_rounds": 4}))
+    a, b = join(client, "a"), join(client, "b")
+    first_a, first_b = lease(client, *a), lease(client, *b)
+    assert first_a is not None and first_b is not None
+    assert (first_a["path_index"], first_b["path_index"]) == (0, 1)
+    assert _train_and_upload(client, first_a, a[1]).status_code == 200
+    assert _train_and_upload(client, first_b, b[1]).status_code == 200
+    # b0 module 0 (paths 0 and 1) has a full period: its step is due; paths 2 and 3 are free, and cold for both
+    assert len(_steps(client)) == 1
+    assert lease(client, *a) is None and lease(client, *b) is None
+    assert _executor(client, clock).work() == 1
+    again_a, again_b = lease(client, *a), lease(client, *b)
+    assert again_a is not None and again_b is not None
+    assert (again_a["path_index"], again_b["path_index"]) == (0, 1)
+    c, d = join(client, "c"), join(client, "d")
+    assert [x["path_index"] for x in (lease(client, *c), lease(client, *d)) if x] == [2, 3]
+    # b's upload fills b1 module 1's period (paths 1 and 3); once stepped, path 1 is free but stays b's
+    assert _train_and_upload(client, again_b, b[1]).status_code == 200
+    assert _executor(client, clock).work() == 1
+    e = join(client, "e")
+    assert lease(client, *e) is None
+    back = lease(client, *b)
+    assert back is not None and back["path_index"] == 1
