@@ -1,6 +1,7 @@
 """Shuffled shards make the input order not matter (issue 18): a corpus given in blocks of domains and the same
-corpus shuffled train a dense model to the same held-out perplexity, where corpus-order shards of the block corpus
-do not. In-process (`modules.simulate`, the service's round arithmetic) on a tiny model."""
+corpus shuffled train a dense model to the same held-out perplexity, and their first rounds read every domain,
+where corpus-order shards of the block corpus read one or two. In-process (`modules.simulate`, the service's
+round arithmetic) on a tiny model."""
 
 from __future__ import annotations
 
@@ -59,7 +60,10 @@ def test_block_order_and_shuffled_corpora_train_alike(corpus_dir: Path, tmp_path
         build_corpus_from(src, corpora[name], domain_field="domain", heldout_fraction=0.0)
     ppl_blocks = held_out_ppl(corpora["blocks"], tmp_path / "s-blocks", shuffle=True, documents=heldout)
     ppl_shuffled = held_out_ppl(corpora["shuffled"], tmp_path / "s-shuffled", shuffle=True, documents=heldout)
-    assert abs(ppl_blocks / ppl_shuffled - 1) <= 0.03, (ppl_blocks, ppl_shuffled)
+    # Two document orders are two samples of the data: measured 41.5 vs 42.4 on one machine, 43.6 vs 41.9 on
+    # another (threads change the float sums). Perplexity does not show the order bug at this size (corpus-order
+    # shards of the block corpus scored 34.8 here: six short rounds on two domains); what the rounds read does.
+    assert abs(ppl_blocks / ppl_shuffled - 1) <= 0.10, (ppl_blocks, ppl_shuffled)
     # Why: what the first rounds read. From corpus-order shards of the block corpus, a few domains only; from
     # shuffled shards of either corpus, every domain.
     domain_of = {d["text"]: d["domain"] for d in train}
