@@ -93,6 +93,9 @@ def main(
     inner_steps: Annotated[int, typer.Option(min=1, help="H")] = 50,
     batch_size: Annotated[int, typer.Option(min=1)] = 16,
     docs_per_domain: Annotated[int, typer.Option(min=10)] = 400,
+    builtin_corpus: Annotated[
+        str, typer.Option(help="local (5 domains) or manpages (multilingual, in source order; docs/QUALITY.md)")
+    ] = "local",
     eval_docs: Annotated[int | None, typer.Option(help="Held-out documents scored (default: all)")] = None,
     speed_steps: Annotated[int, typer.Option(min=1, help="Inner-loop speed: steps per repeat")] = 20,
     speed_reps: Annotated[int, typer.Option(min=1)] = 5,
@@ -117,11 +120,11 @@ def main(
     if speed_only:
         return
 
-    corpus = workdir / "corpus"
-    manifest = prepare_corpus(corpus, docs_per_domain=docs_per_domain)
+    corpus = workdir / ("corpus" if builtin_corpus == "local" else f"corpus-{builtin_corpus}")
+    manifest = prepare_corpus(corpus, docs_per_domain=docs_per_domain, builtin=builtin_corpus)
     console.print(
-        f"corpus: {manifest['splits']['train']['documents']} train / {manifest['splits']['heldout']['documents']} "
-        "held-out documents"
+        f"corpus ({builtin_corpus}): {manifest['splits']['train']['documents']} train / "
+        f"{manifest['splits']['heldout']['documents']} held-out documents"
     )
     runs: list[dict[str, Any]] = []  # one row per (block, lr, seed, model)
     record: dict[str, Any] = {
