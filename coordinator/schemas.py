@@ -139,6 +139,12 @@ class RunCreate(BaseModel):
         description="How islands encode their outer gradients: int8 (1 byte a value, one fp32 scale per 256 values, "
         "error feedback on the island; held-out perplexity within 1 % of fp32, docs/LOG.md), bf16 (2) or fp32 (4)",
     )
+    sparse_rows: bool = Field(
+        default=False,
+        description="Islands send only the embedding rows of the tokens their lease saw, and each row is averaged "
+        "over the contributions that sent it; rows nobody sent keep their weights and outer momentum. For large "
+        "(BPE) vocabularies and routed paths that see few of its tokens; refused with tie_embeddings",
+    )
     inner_steps: int = Field(default=20, ge=1, le=1_000_000, description="H: inner steps per round")
     num_rounds: int = Field(default=3, ge=1, le=1_000_000)
     seed: int = Field(default=0, ge=0, le=SEED_MAX)
@@ -379,6 +385,11 @@ class LeasePublic(BaseModel):
     epoch: int
     seed: int
     codec: Codec = Field(default="fp32", description="Encode the outer gradient with this codec (the run's)")
+    sparse_rows: bool = Field(
+        default=False,
+        description="Send the embed level's tok_emb.weight as the rows of the tokens in the lease's inputs "
+        "(`<name>` (k, d) and `<name>::rows` I64 (k,)), the run's sparse_rows",
+    )
     direct_upload: bool = Field(
         default=False,
         description="PUT the outer gradient to the bucket (POST .../upload-url, then .../commit) instead of "

@@ -53,7 +53,9 @@ from modules import (
     encode_grad,
     make_optimizer,
     pseudo_gradient,
+    touched_rows,
 )
+from modules.sparse_rows import SPARSE_LEVEL, SPARSE_PARAM
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +391,8 @@ class Island:
             return result
         result.train_s = elapsed
         result.tokens_per_s = result.tokens / max(elapsed, 1e-9)
-        contribution, residual = self._upload(lease, inputs, model, result=result)
+        rows = touched_rows(batches, inputs.model_cfg.vocab_size) if lease.sparse_rows else None
+        contribution, residual = self._upload(lease, inputs, model, rows=rows, result=result)
         # The inner state and the codec's residual are kept only once the coordinator has accepted the work.
         key = (lease.run_id, lease.path_id)
         self._inner_states.accept(key, lease.lease_id, optimizer.state_dict())
@@ -510,19 +513,29 @@ class Island:
         self._lease = None
 
     def _upload(
-        self, lease: LeasePublic, inputs: _Inputs, model: PathModel, *, result: LeaseResult
+        self,
+        lease: LeasePublic,
+        inputs: _Inputs,
+        model: PathModel,
+        *,
+        rows: torch.Tensor | None,
+        result: LeaseResult,
     ) -> tuple[ContributionPublic, dict[str, torch.Tensor]]:
         """Encode the per-module outer gradients with the run's codec and upload them; raises `LeaseLost` on 409.
+        With `rows` (sparse rows) the embedding goes as those rows only.
 
         Returns the contribution and the codec's new error-feedback residual (what quantisation lost this time,
-        added to the next lease's outer gradient of the path), for the caller to keep once the work is accepted.
+        and with sparse rows what the rows not sent did, added to the next lease's outer gradient of the path),
+        for the caller to keep once the work is accepted.
         """
         t_upload = time.perf_counter()
         feedback = ErrorFeedback()
-        if lease.codec != "fp32":  # fp32 loses nothing: no residual to carry
+        lossy = lease.codec != "fp32" or rows is not None  # fp32 of every row loses nothing: no residual to carry
+        if lossy:
             feedback.residual = self._residuals.get((lease.run_id, lease.path_id)) or {}
         grads = _outer_gradients(inputs.levels, inputs.base, model)
-        payload = encode_grad(grads, lease.codec, error_feedback=feedback if lease.codec != "fp32" else None)
+        sparse = {f"{SPARSE_LEVEL}{GRAD_KEY_SEP}{SPARSE_PARAM}": rows} if rows is not None else None
+        payload = encode_grad(grads, lease.codec, error_feedback=feedback if lossy else None, rows=sparse)
         result.upload_bytes = len(payload)
         mean_loss = sum(result.losses) / len(result.losses)
         send = self.client.upload_direct if lease.direct_upload else self.client.upload  # bucket, or coordinator

@@ -31,6 +31,7 @@ from modules.outer import (
     weighted_average,
 )
 from modules.simulate import SimulationResult, simulate
+from modules.sparse_rows import expand_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "decode_grad",
     "encode",
     "encode_grad",
+    "expand_rows",
     "flavour",
     "grad_norm",
     "grad_payload_nbytes",
@@ -75,6 +77,7 @@ __all__ = [
     "rescale",
     "simulate",
     "split_state",
+    "touched_rows",
     "train_steps",
     "weighted_average",
 ]

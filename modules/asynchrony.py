@@ -54,7 +54,8 @@ from modules.outer import (
     outlier_scales,
     pseudo_gradient,
 )
-from modules.simulate import _through_codec, next_range
+from modules.simulate import _through_codec, check_sparse_rows, next_range
+from modules.sparse_rows import touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 Tensors = dict[str, torch.Tensor]
@@ -211,12 +212,14 @@ def simulate_async(
     seed: int,
     tokens: Sequence[torch.Tensor],
     codec: GradCodec = "fp32",
+    sparse_rows: bool = False,
 ) -> AsyncResult:
     """Replay `events` (leases and uploads in the order the coordinator saw them) on a run of `budget_steps`
     inner steps per path; every path must spend its budget (or, with round levels, every round close)."""
     num_paths = layout.num_paths
     if len(tokens) != num_paths:
         raise ValueError(f"need one token array per path: layout has {num_paths} paths, got {len(tokens)}")
+    check_sparse_rows(cfg, sparse_rows=sparse_rows)
     modes = layout.modes(settings.sync)
     init = init_level_modules(cfg, layout, seed=seed)
     choice = [layout.path_modules(p) for p in range(num_paths)]
@@ -290,7 +293,7 @@ def simulate_async(
         trained = split_state({n: t.detach().clone() for n, t in work.model.state_dict().items()}, layout)
         grads = _through_codec(
             [pseudo_gradient(lease.base[lv], trained[lv]) for lv in range(len(lease.base))],
-            layout, codec, work.feedback,
+            layout, codec, work.feedback, rows=touched_rows(batches, cfg.vocab_size) if sparse_rows else None,
         )  # fmt: skip
         staleness = [
             modules[lv][m].version - lease.versions[lv] if modes[lv] == "async" else 0

@@ -11,6 +11,10 @@ in one of three codecs, recorded in the safetensors metadata (`dipaco.codec`):
   fp32 block scales of all tensors in one 1-D tensor `::scales`, concatenated in sorted-name order; block size
   in `dipaco.block_size`. Error per value <= scale / 2.
 
+Sparse rows (`modules.sparse_rows`): `encode_grad(..., rows={name: ids})` sends only those rows of `name`, shape
+(k, d), in the codec like any tensor, and their ids as `<name>::rows` (I64, (k,)); the int8 scales cover the
+k rows. `decode_grad` / `decode_grad_part` return both tensors as sent (`expand_rows` makes them full size).
+
 `ErrorFeedback` (sender side) keeps what quantisation lost per tensor name and adds it to the next round's
 gradient, so the error does not accumulate over rounds. `grad_payload_nbytes` gives the exact payload size
 from shapes alone (used for upload size caps and the byte counts in logs).
@@ -28,6 +32,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from modules.sparse_rows import is_rows, rows_name
 
 DEFAULT_ALLOWED = frozenset({"F32"})
 
@@ -92,9 +98,11 @@ _CODEC_DTYPES: dict[str, frozenset[str]] = {
     "bf16": frozenset({"BF16"}),
     "int8": frozenset({"I8", "F32"}),
 }
-_DTYPE_BYTES = {"F32": 4, "BF16": 2, "I8": 1}
-# safetensors lays tensors out by dtype (descending enum order: F32 > BF16 > I8) and then by name.
-_DTYPE_RANK = {"F32": 0, "BF16": 1, "I8": 2}
+_DTYPE_BYTES = {"I64": 8, "F32": 4, "BF16": 2, "I8": 1}
+# safetensors lays tensors out by dtype (descending enum order: I64 > F32 > BF16 > I8) and then by name.
+_DTYPE_RANK = {"I64": -1, "F32": 0, "BF16": 1, "I8": 2}
+ROWS_DTYPE = "I64"
+"""dtype of the `<name>::rows` tensors of sparse rows, whatever the codec."""
 
 
 def read_metadata(data: bytes) -> dict[str, str]:
@@ -153,7 +161,9 @@ class ErrorFeedback:
     """Sender-side error feedback: remembers, per tensor name, what the codec lost last time and adds it back.
 
     Use one per (path, module) on the island: `encode_grad(g, "int8", error_feedback=fb)`. After each encode,
-    `residual[name] = (g + old residual) - decoded`. With `fp32` the residual stays zero.
+    `residual[name] = (g + old residual) - decoded`. With `fp32` the residual stays zero, except on the rows of
+    a sparse tensor that were not sent (decoded as zeros there): what the inner loop did to them waits in the
+    residual until their tokens come back.
     """
 
     def __init__(self) -> None:
@@ -202,16 +212,32 @@ def encode_grad(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     error_feedback: ErrorFeedback | None = None,
+    rows: Mapping[str, torch.Tensor] | None = None,
 ) -> bytes:
-    """Encode outer gradients as safetensors in `codec`; with `error_feedback`, compensate and update it."""
+    """Encode outer gradients as safetensors in `codec`; with `error_feedback`, compensate and update it.
+
+    `rows` ({tensor name: sorted unique row ids}) sends only those rows of those tensors (sparse rows); the
+    error feedback then sees zeros decoded on the other rows, so nothing of them is lost."""
     _check_codec(codec)
     _check_block_size(block_size)
     if not all(t.is_floating_point() for t in tensors.values()):
         raise CodecError("outer gradients must be floating-point tensors")
+    rows = {name: ids.to(torch.int64).cpu().contiguous() for name, ids in (rows or {}).items()}
+    unknown = sorted(set(rows) - set(tensors))
+    if unknown:
+        raise CodecError(f"rows given for tensors not in the gradient: {unknown}")
     sent = error_feedback.compensate(tensors) if error_feedback is not None else tensors
-    data = st_save(_encode_values(sent, codec, block_size), metadata=_grad_metadata(codec, block_size))
+    values = {name: (t[rows[name]] if name in rows else t) for name, t in sent.items()}
+    encoded = _encode_values(values, codec, block_size)
+    encoded.update({rows_name(name): ids for name, ids in rows.items()})
+    data = st_save(encoded, metadata=_grad_metadata(codec, block_size))
     if error_feedback is not None:
-        error_feedback.record(sent, decode_grad(data))
+        decoded = decode_grad(data)
+        for name, ids in rows.items():
+            full = torch.zeros(sent[name].shape, dtype=torch.float32)
+            full[ids] = decoded[name]
+            decoded[name] = full
+        error_feedback.record(sent, decoded)
     return data
 
 
@@ -219,7 +245,8 @@ def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
     """Decode an `encode_grad` payload to fp32 tensors under their original names.
 
     Refuses (CodecError) an unknown codec, a dtype the codec does not carry, an int8 payload without its
-    `::scales` tensor or with the wrong number of scales, and malformed or truncated payloads.
+    `::scales` tensor or with the wrong number of scales, and malformed or truncated payloads. The row ids of
+    sparse rows (`<name>::rows`, I64) come back as they are, next to their (k, d) tensor.
     """
     meta = read_metadata(data)
     codec = meta.get("dipaco.codec")
@@ -230,6 +257,10 @@ def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
     allowed = _CODEC_DTYPES[codec]
     for name, info in header.items():
         dtype = info.get("dtype") if isinstance(info, dict) else None
+        if is_rows(name):
+            if dtype != ROWS_DTYPE:
+                raise CodecError(f"tensor {name!r} has dtype {dtype}, expected {ROWS_DTYPE}")
+            continue
         if dtype not in allowed:
             raise CodecError(f"tensor {name!r} has dtype {dtype}; codec {codec} allows {sorted(allowed)}")
         if codec == "int8":
@@ -240,8 +271,9 @@ def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
         raw = st_load(data)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise CodecError(f"invalid safetensors payload: {exc}") from exc
+    row_ids = {name: raw.pop(name) for name in [n for n in raw if is_rows(n)]}
     if codec != "int8":
-        return {name: t.float() for name, t in raw.items()}
+        return {**{name: t.float() for name, t in raw.items()}, **row_ids}
     try:
         block_size = int(meta.get("dipaco.block_size", ""))
     except ValueError as exc:
@@ -262,16 +294,16 @@ def decode_grad(data: bytes) -> dict[str, torch.Tensor]:
         raise CodecError(
             f"int8 payload: {len(raw)} tensors in blocks of {block_size} need {offset} scales, got {scales.numel()}"
         )
-    return out
+    return {**out, **row_ids}
 
 
 def int8_scale_spans(shapes: Mapping[str, Sequence[int]], block_size: int) -> dict[str, tuple[int, int]]:
     """Where each tensor's block scales sit in an int8 payload's `::scales`: name -> (start, count), tensors in
-    sorted-name order, `ceil(numel / block_size)` scales each."""
+    sorted-name order, `ceil(numel / block_size)` scales each (row ids of sparse rows have none)."""
     _check_block_size(block_size)
     spans: dict[str, tuple[int, int]] = {}
     offset = 0
-    for name in sorted(shapes):
+    for name in sorted(n for n in shapes if not is_rows(n)):
         count = math.ceil(math.prod(int(d) for d in shapes[name]) / block_size)
         spans[name] = (offset, count)
         offset += count
@@ -303,25 +335,29 @@ def decode_grad_part(
 ) -> dict[str, torch.Tensor]:
     """The fp32 tensors of one module (names starting with `prefix`, stripped) of an outer-gradient payload read
     lazily: `shapes` are every tensor's shape from the header and `get_tensor` reads one tensor (a memory map),
-    so only that module's tensors and, for int8, the block scales are read."""
+    so only that module's tensors and, for int8, the block scales are read. Sparse rows come back as sent:
+    `<param>` (k, d) and `<param>::rows` (int64)."""
     codec, block_size = payload_codec(metadata)
-    names = [name for name in shapes if name.startswith(prefix) and name != SCALES_NAME]
+    names = [name for name in shapes if name.startswith(prefix) and name != SCALES_NAME and not is_rows(name)]
+    row_ids = {name[len(prefix) :]: get_tensor(name) for name in shapes if name.startswith(prefix) and is_rows(name)}
     if codec != "int8":
-        return {name[len(prefix) :]: get_tensor(name).float() for name in names}
+        return {**{name[len(prefix) :]: get_tensor(name).float() for name in names}, **row_ids}
     spans = int8_scale_spans({k: v for k, v in shapes.items() if k != SCALES_NAME}, block_size)
     scales = get_tensor(SCALES_NAME)
-    return {
+    values = {
         name[len(prefix) :]: dequantize_int8(
             get_tensor(name), scales[spans[name][0] : spans[name][0] + spans[name][1]], block_size=block_size
         )
         for name in names
     }
+    return {**values, **row_ids}
 
 
 def grad_payload_nbytes(
     shapes: Mapping[str, Sequence[int]], codec: GradCodec, *, block_size: int = DEFAULT_BLOCK_SIZE
 ) -> int:
-    """Exact size in bytes of `encode_grad` for tensors of these names and shapes (header included).
+    """Exact size in bytes of `encode_grad` for tensors of these names and shapes (header included); with sparse
+    rows, give the sent shape (k, d) and the `<name>::rows` entry (k,).
 
     Rebuilds the safetensors header the way the library writes it (tensors ordered by dtype then name,
     compact JSON, padded with spaces to a multiple of 8), so no tensor has to be allocated.
@@ -332,7 +368,9 @@ def grad_payload_nbytes(
     total_scales = 0
     for name, shape in shapes.items():
         dims = [int(d) for d in shape]
-        if codec == "fp32":
+        if is_rows(name):
+            entries.append((name, ROWS_DTYPE, dims))
+        elif codec == "fp32":
             entries.append((name, "F32", dims))
         elif codec == "bf16":
             entries.append((name, "BF16", dims))

@@ -22,6 +22,10 @@ Options (all off by default, so the defaults are DiLoCo's Algorithm 1):
 (memory O(module), whatever the number of paths), then `finish` averages, rescales and steps. The coordinator's
 apply, the reference simulator (`modules.simulate`) and the tests' recomputation all go through it;
 `outer_update` is the same thing for gradients already in a list.
+
+Sparse rows (`modules.sparse_rows`, the run field `sparse_rows`): a part may send only some rows of a tensor
+(`<name>::rows` next to it). Each row is then averaged over the parts that sent it, and a row no part sent keeps
+its weights and its momentum, as a module nobody trained does (`RoundAccumulator.finish`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from modules.sparse_rows import is_rows, split_rows
 
 Tensors = dict[str, torch.Tensor]
 
@@ -89,8 +95,8 @@ class NonFiniteStep(ValueError):
 
 def grad_norm(grad: Mapping[str, torch.Tensor]) -> float:
     """L2 norm of one module's outer gradient over all its tensors (float64: a float32 sum of squares overflows
-    for values above ~1e19); inf when any value is not finite."""
-    total = sum(float(torch.sum(t.double() ** 2)) for t in grad.values())
+    for values above ~1e19); inf when any value is not finite. Row ids of a sparse part are not values."""
+    total = sum(float(torch.sum(t.double() ** 2)) for name, t in grad.items() if not is_rows(name))
     return math.sqrt(total) if math.isfinite(total) else math.inf
 
 
@@ -225,14 +231,23 @@ class RoundAccumulator:
     Memory is one running sum of the module's size, whatever the number of contributions, so the caller can
     stream outer gradients from disk. A contribution of weight 0 (a path that trained 0 tokens under token
     weighting) counts as absent, also for n in the √n rescale.
+
+    A sparse part (`modules.sparse_rows`: `<name>` full size with zeros on the rows not sent, `<name>::rows` the
+    rows sent) adds its weight to the rows it sent only: such a tensor keeps a weight total and a count per row
+    (a dense part adds to every row), and its mean divides each row by that row's total. Without sparse parts
+    nothing per row is kept and the arithmetic is the dense one, bit for bit.
     """
 
-    __slots__ = ("_count", "_sum", "_total")
+    __slots__ = ("_count", "_row_count", "_row_total", "_sum", "_total")
 
     def __init__(self) -> None:
         self._sum: Tensors | None = None
         self._total = 0.0
         self._count = 0
+        self._row_total: dict[str, torch.Tensor] = {}
+        """Per sparse tensor: the summed weight of the parts that sent each row (float64, one per row)."""
+        self._row_count: dict[str, torch.Tensor] = {}
+        """Per sparse tensor: how many parts sent each row (for the √n rescale)."""
 
     @property
     def count(self) -> int:
@@ -248,15 +263,45 @@ class RoundAccumulator:
             raise ValueError(f"outlier scale must be in [0, 1], got {scale}")
         if weight == 0 or scale == 0:
             return
-        self._sum = accumulate(self._sum, grad, weight * scale)
+        tensors, rows = split_rows(grad)
+        for name in sorted(set(rows) | set(self._row_total)):
+            if name not in self._row_total:  # the first sparse part of this tensor: every earlier one was dense
+                n = tensors[name].shape[0]
+                self._row_total[name] = torch.full((n,), self._total, dtype=torch.float64)
+                self._row_count[name] = torch.full((n,), self._count, dtype=torch.int64)
+            sent = rows.get(name)
+            if sent is None:
+                self._row_total[name] += weight
+                self._row_count[name] += 1
+            else:
+                self._row_total[name][sent] += weight
+                self._row_count[name][sent] += 1
+        self._sum = accumulate(self._sum, tensors, weight * scale)
         self._total += weight
         self._count += 1
 
     def mean(self) -> Tensors:
-        """The weighted mean of what was added, √n-rescaled when the config says so (see `rescale`)."""
+        """The weighted mean of what was added (each row of a sparse tensor over the parts that sent it; 0 on the
+        rows none sent)."""
         if self._sum is None:
             raise ValueError("no contribution was added")
-        return {name: t / self._total for name, t in self._sum.items()}
+        out: Tensors = {}
+        for name, t in self._sum.items():
+            total = self._row_total.get(name)
+            if total is None:
+                out[name] = t / self._total
+            else:
+                per_row = torch.where(total > 0, total, torch.ones_like(total)).to(t.dtype)
+                out[name] = t / per_row.view(-1, *[1] * (t.dim() - 1))
+        return out
+
+    def _rescaled(self, avg: Tensors) -> Tensors:
+        """`rescale` by √n, n per row for a sparse tensor."""
+        out = rescale(avg, self._count)
+        for name, count in self._row_count.items():
+            factor = count.double().sqrt().to(avg[name].dtype)
+            out[name] = avg[name].float() * factor.view(-1, *[1] * (avg[name].dim() - 1))
+        return out
 
     def finish(
         self, params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor] | None, cfg: OuterConfig
@@ -268,7 +313,8 @@ class RoundAccumulator:
         Treating "no data" as a zero gradient instead would still move the module by lr * mu * buf (stale
         momentum from rounds in which paths did use it) and decay the buffer, so a module nobody trained would
         drift and lose its momentum merely because its paths were idle or failed. With the skip, a missed round
-        is as if it never happened for that module (style rule 9: never half-applied).
+        is as if it never happened for that module (style rule 9: never half-applied). The rows of a sparse
+        tensor that no part sent follow the same rule: their weights and momentum come back as they were.
 
         `method="average"`: new params = params - mean gradient (the weighted mean of the trained weights); the
         momentum is returned unchanged (it is not used).
@@ -279,12 +325,19 @@ class RoundAccumulator:
             return dict(params), (dict(momentum) if momentum is not None else None)
         avg = self.mean()
         if cfg.sqrt_rescale:
-            avg = rescale(avg, self._count)
+            avg = self._rescaled(avg)
         if cfg.method == "average":
             new = {name: (p.float() - avg[name]).to(p.dtype) for name, p in params.items()}
             new_momentum = dict(momentum) if momentum is not None else None
         else:
             new, new_momentum = nesterov_step(params, avg, momentum, cfg)
+        for name, total in self._row_total.items():
+            untouched = total == 0
+            if bool(untouched.any()):
+                new[name][untouched] = params[name][untouched].to(new[name].dtype)
+                if cfg.method == "nesterov" and new_momentum is not None:  # `average` returned the buffer as is
+                    kept = momentum[name][untouched].float() if momentum is not None else 0.0  # none yet: zeros
+                    new_momentum[name][untouched] = kept
         for name, tensors in (("weights", new), ("momentum", new_momentum or {})):
             bad = [key for key, t in tensors.items() if not bool(torch.isfinite(t).all())]
             if bad:

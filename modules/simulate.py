@@ -29,6 +29,11 @@ Rounds (r = 0 .. rounds-1); inside a round paths run in index order, all from th
 Codec (`codec`, the run field): each worker's outer gradient goes through `encode_grad` with its own error
     feedback and back through `decode_grad` before the outer round, as an island's upload does (fp32: untouched).
 
+Sparse rows (`sparse_rows`, the run field; `modules.sparse_rows`): the embed level's `tok_emb.weight` goes as
+    the rows of the tokens in the inputs of the worker's batches of the round (`touched_rows`), through the
+    codec and the worker's error feedback even with fp32 (the rows not sent wait in the residual), and each
+    row is averaged over the workers that sent it.
+
 Replicas (`replicas=R`, DiLoCo's data-parallel workers)
     Each path is trained by R workers per round; worker j of path p uses `tokens[p * R + j]`, its own model and
     AdamW, and seed `seed + p * R + j`. Each worker's outer gradient is one contribution (weight `path_weights[p]`).
@@ -56,6 +61,7 @@ from modules.outer import (
     outlier_scales,
     pseudo_gradient,
 )
+from modules.sparse_rows import SPARSE_LEVEL, SPARSE_PARAM, expand_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 Tensors = dict[str, torch.Tensor]
@@ -93,6 +99,7 @@ def simulate(
     path_weights: Sequence[float] | None = None,
     replicas: int = 1,
     codec: GradCodec = "fp32",
+    sparse_rows: bool = False,
 ) -> SimulationResult:
     """Run `rounds` DiPaCo rounds of H = `steps_per_round` inner steps; `tokens[p * replicas + j]` is the shard of
     worker j of path p (with one replica: `tokens[p]` is path p's shard)."""
@@ -106,6 +113,7 @@ def simulate(
         raise ValueError(
             f"need one token array per worker: {num_paths} paths x {replicas} replicas = {workers}, got {len(tokens)}"
         )
+    check_sparse_rows(cfg, sparse_rows=sparse_rows)
     if steps_per_round < 1 or rounds < 0:
         raise ValueError(f"steps_per_round must be >= 1 and rounds >= 0, got {steps_per_round}, {rounds}")
     trained_tokens = steps_per_round * inner.batch_size * cfg.seq_len  # per worker and round
@@ -155,7 +163,8 @@ def simulate(
             worker_losses.append(sum(step_losses) / len(step_losses))
             trained = split_state({n: t.detach().clone() for n, t in models[p].state_dict().items()}, layout)
             outer_grads = [pseudo_gradient(base[lv], trained[lv]) for lv in range(len(base))]
-            grads.append(_through_codec(outer_grads, layout, codec, feedback[p]))
+            rows = touched_rows(batches, cfg.vocab_size) if sparse_rows else None
+            grads.append(_through_codec(outer_grads, layout, codec, feedback[p], rows=rows))
         for lv, mods in enumerate(modules):
             for m in range(len(mods)):
                 users = [w for w in range(workers) if choice[w][lv] == m]
@@ -169,12 +178,33 @@ def simulate(
     return SimulationResult(losses=losses, modules=modules, momentum=momentum)
 
 
-def _through_codec(grads: list[Tensors], layout: Layout, codec: GradCodec, feedback: ErrorFeedback) -> list[Tensors]:
+def check_sparse_rows(cfg: ModelConfig, *, sparse_rows: bool) -> None:
+    """Sparse rows need an untied embedding: tied, the matrix is the LM head and every row gets gradient."""
+    if sparse_rows and cfg.tie_embeddings:
+        raise ValueError(
+            "sparse_rows needs untied embeddings: with tie_embeddings the token embedding is also the LM head, "
+            "whose every row gets gradient from the softmax"
+        )
+
+
+def _through_codec(
+    grads: list[Tensors],
+    layout: Layout,
+    codec: GradCodec,
+    feedback: ErrorFeedback,
+    *,
+    rows: torch.Tensor | None = None,
+) -> list[Tensors]:
     """A worker's outer gradients as the coordinator receives them: encoded with `codec` and the worker's error
-    feedback, exactly as an island encodes its upload (one payload, tensors named `<level>/<param>`), decoded."""
-    if codec == "fp32":
+    feedback, exactly as an island encodes its upload (one payload, tensors named `<level>/<param>`), decoded.
+    With `rows` (sparse rows) the embedding goes as those rows, and comes back as a sparse part."""
+    if codec == "fp32" and rows is None:
         return grads
     names = [layout.levels[lv].name for lv in range(len(grads))]
     flat = {f"{names[lv]}/{param}": t for lv, g in enumerate(grads) for param, t in g.items()}
-    decoded = decode_grad(encode_grad(flat, codec, error_feedback=feedback))
-    return [{param: decoded[f"{names[lv]}/{param}"] for param in g} for lv, g in enumerate(grads)]
+    sparse = {f"{SPARSE_LEVEL}/{SPARSE_PARAM}": rows} if rows is not None else None
+    decoded = expand_rows(decode_grad(encode_grad(flat, codec, error_feedback=feedback, rows=sparse)), flat)
+    return [
+        {name[len(names[lv]) + 1 :]: t for name, t in decoded.items() if name.startswith(f"{names[lv]}/")}
+        for lv in range(len(grads))
+    ]

@@ -48,6 +48,7 @@ from modules import (
     contribution_weight,
     decode,
     encode,
+    expand_rows,
     outlier_bound,
     outlier_scales,
 )
@@ -289,7 +290,8 @@ def _step(
         acc = RoundAccumulator()
         for part in parts:
             if part.scale > 0:
-                grad = blobs.load_tensors(part.blob_hash, part.prefix, verified=verified)
+                # sparse rows (`modules.sparse_rows`) come as sent: scattered to the module's shapes here
+                grad = expand_rows(blobs.load_tensors(part.blob_hash, part.prefix, verified=verified), params)
                 damped = part.scale * staleness_weight(part.staleness, damping)
                 acc.add(grad, contribution_weight(outer, part.tokens), scale=damped)
         if acc.count == 0:

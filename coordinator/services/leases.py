@@ -509,6 +509,7 @@ def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list
         epoch=lease.epoch,
         seed=run.seed * 1_000_003 + lease.round * 1_009 + path.index,
         codec=run.config.get("codec", "fp32"),
+        sparse_rows=run.config.get("sparse_rows", False),
         expires_at=as_utc(lease.expires_at),
         status=LeaseStatus.ACTIVE,
     )

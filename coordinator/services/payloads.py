@@ -6,6 +6,9 @@ Layouts (`modules.codec.encode_grad`; a payload without `dipaco.codec` metadata,
   bf16  the same tensors as BF16;
   int8  the same tensors as I8, and one F32 tensor `::scales` holding every tensor's block scales (sorted-name
         order, `ceil(numel / block_size)` each), which must be finite and >= 0 (0 for an all-zero block).
+Sparse rows (runs with `sparse_rows`, and only those): the embed level's `tok_emb.weight` is (k, d) in the
+codec's dtype, 1 <= k <= vocab, next to `<name>::rows` (I64, (k,)) whose ids are strictly increasing and in
+[0, vocab); its norm is the norm of the rows sent (the others count as zeros).
 The header is capped before it is read and every field is type-checked; the values are read in place from the
 memory-mapped file, one tensor at a time, never copied whole.
 """
@@ -23,7 +26,8 @@ from safetensors import SafetensorError, safe_open
 from coordinator.errors import Invalid
 from coordinator.schemas import GRAD_KEY_SEP
 from modules import CodecError, Layout, ModelConfig, level_param_shapes
-from modules.codec import SCALES_NAME, int8_scale_spans, payload_codec, read_header, read_metadata
+from modules.codec import ROWS_DTYPE, SCALES_NAME, int8_scale_spans, payload_codec, read_header, read_metadata
+from modules.sparse_rows import SPARSE_PARAM, is_rows, rows_name
 
 MAX_HEADER_BYTES = 1 << 16
 """Least cap on an upload's safetensors header; the cap is 512 bytes per expected tensor when that is more (a
@@ -50,7 +54,7 @@ class _Entry:
     dtype: str
     shape: tuple[int, ...]
     level: int | None
-    """The module (level index) the tensor belongs to; None for int8 scales."""
+    """The module (level index) the tensor belongs to; None for int8 scales and the row ids of sparse rows."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +76,18 @@ def header_cap(cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, st
 
 
 def validated_header(
-    head: bytes, size: int, cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]], *, codec: str
+    head: bytes,
+    size: int,
+    cfg: ModelConfig,
+    layout: Layout,
+    levels: dict[int, tuple[int, str]],
+    *,
+    codec: str,
+    sparse_rows: bool = False,
 ) -> Header:
     """Check a payload's first bytes (the 8-byte length and the header, `head`) and its total `size` against the
-    path's modules and the run's `codec`: names, dtypes, shapes, offsets, every field's type (422 otherwise)."""
+    path's modules, the run's `codec` and `sparse_rows`: names, dtypes, shapes, offsets, every field's type (422
+    otherwise)."""
     prefixes = {level: f"{name}{GRAD_KEY_SEP}" for level, (_, name) in levels.items()}
     shapes = {
         f"{prefixes[level]}{param}": (level, shape)
@@ -89,7 +101,17 @@ def validated_header(
         raise Invalid(f"outer-gradient payload: {exc}") from exc
     if sent != codec:
         raise Invalid(f"outer-gradient payload is encoded with {sent}; this run's codec is {codec}")
+    sparse = _sparse_name(layout, prefixes) if sparse_rows else None
+    if sparse is None:
+        extra = sorted(name for name in header if is_rows(name))
+        if extra:
+            raise Invalid(f"tensor {extra[0]!r}: this run does not take sparse rows (its sparse_rows is false)")
+    else:
+        level, shape = shapes[sparse]
+        shapes[sparse] = (level, (_sent_rows(header, sparse, vocab=shape[0]), *shape[1:]))
     expected = _expected(shapes, codec, block_size)
+    if sparse is not None:
+        expected[rows_name(sparse)] = _Entry(dtype=ROWS_DTYPE, shape=shapes[sparse][1][:1], level=None)
     unknown = sorted(set(header) - set(expected))
     if unknown:
         raise Invalid(
@@ -125,17 +147,24 @@ def header_length(first8: bytes, *, cap: int) -> int:
 
 
 def validated_payload(
-    body: FilePath, cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, str]], *, codec: str
+    body: FilePath,
+    cfg: ModelConfig,
+    layout: Layout,
+    levels: dict[int, tuple[int, str]],
+    *,
+    codec: str,
+    sparse_rows: bool = False,
 ) -> Payload:
-    """Check the file against the path's modules and the run's `codec`; measure each module's norm (422 with a
-    message naming the problem otherwise)."""
+    """Check the file against the path's modules, the run's `codec` and `sparse_rows`; measure each module's norm
+    (422 with a message naming the problem otherwise)."""
     head = _read_head(body, cap=header_cap(cfg, layout, levels))
-    checked = validated_header(head, body.stat().st_size, cfg, layout, levels, codec=codec)
+    checked = validated_header(head, body.stat().st_size, cfg, layout, levels, codec=codec, sparse_rows=sparse_rows)
     try:
         with safe_open(str(body), framework="pt"):
             pass  # safetensors' own checks of the layout (offsets contiguous, covering the data, no overlap)
     except SafetensorError as exc:
         raise Invalid(f"outer-gradient payload: invalid safetensors payload: {exc}") from exc
+    _check_row_ids(body, checked.data_start, checked.offsets, vocab=cfg.vocab_size)
     squares = _sums_of_squares(
         body, checked.data_start, checked.offsets, checked.expected, codec=codec, block_size=checked.block_size
     )
@@ -145,6 +174,49 @@ def validated_payload(
         if level is not None:
             norms[level] += total
     return Payload(prefixes=checked.prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=codec)
+
+
+def _sparse_name(layout: Layout, prefixes: dict[int, str]) -> str | None:
+    """The payload name of the tensor sent as rows: the embed level's token embedding (None: not on this path)."""
+    for level, prefix in prefixes.items():
+        if layout.levels[level].kind == "embed":
+            return f"{prefix}{SPARSE_PARAM}"
+    return None
+
+
+def _sent_rows(header: dict[str, dict[str, object]], name: str, *, vocab: int) -> int:
+    """k, the number of rows of `name` sent, from its `::rows` entry's shape (its dtype and offsets are checked
+    with the other entries)."""
+    ids = rows_name(name)
+    info = header.get(ids)
+    if info is None:
+        raise Invalid(f"outer-gradient payload is missing {ids!r}: this run sends {name!r} as sparse rows")
+    raw = info.get("shape") if isinstance(info, dict) else None
+    if not (isinstance(raw, list) and len(raw) == 1 and _is_int(raw[0]) and 1 <= raw[0] <= vocab):
+        raise Invalid(f"tensor {ids!r} has shape {raw!r}, expected [k] with 1 <= k <= {vocab} (the vocabulary)")
+    return int(raw[0])
+
+
+def _check_row_ids(body: FilePath, data_start: int, offsets: dict[str, tuple[int, int]], *, vocab: int) -> None:
+    """The row ids of sparse rows are strictly increasing (sorted, no duplicate) and within [0, vocab)."""
+    names = [name for name in offsets if is_rows(name)]
+    if not names:
+        return
+    data = np.memmap(body, dtype=np.uint8, mode="r")
+    for name in names:
+        start, end = offsets[name]
+        ids = data[data_start + start : data_start + end].view("<i8")
+        outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if outside.size:
+            i = int(outside[0])
+            raise Invalid(f"tensor {name!r}: row id {int(ids[i])} at {i} is outside the vocabulary [0, {vocab})")
+        unsorted = np.flatnonzero(np.diff(ids) <= 0)
+        if unsorted.size:
+            i = int(unsorted[0]) + 1
+            raise Invalid(
+                f"tensor {name!r}: row ids must be strictly increasing (sorted, no duplicate); "
+                f"{int(ids[i])} at {i} follows {int(ids[i - 1])}"
+            )
 
 
 def _read_head(body: FilePath, *, cap: int) -> bytes:
@@ -166,7 +238,7 @@ def _expected(shapes: dict[str, tuple[int, tuple[int, ...]]], codec: str, block_
     return expected
 
 
-_ITEMSIZE = {"F32": 4, "BF16": 2, "I8": 1}
+_ITEMSIZE = {"I64": 8, "F32": 4, "BF16": 2, "I8": 1}
 
 
 def _tensor_offsets(name: str, info: object, entry: _Entry) -> tuple[int, int]:

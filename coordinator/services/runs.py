@@ -114,6 +114,12 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         )
     if session.scalar(select(func.count()).select_from(Run).where(Run.name == spec.name)):
         raise Conflict(f"a run named {spec.name!r} already exists")
+    if spec.sparse_rows and cfg.tie_embeddings:
+        raise Invalid(
+            "sparse_rows needs untied embeddings: with tie_embeddings the token embedding is also the LM head, "
+            "whose every row gets gradient from the softmax (set model.tie_embeddings to false, or sparse_rows "
+            "to false)"
+        )
     modes = layout.modes(spec.sync)
     if spec.min_inner_steps is not None and "round" in modes:
         raise Invalid(
@@ -126,6 +132,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         "inner": dataclasses.asdict(inner),
         "outer": spec.outer.model_dump(),
         "codec": spec.codec,
+        "sparse_rows": spec.sparse_rows,
         "schedule": {
             "sync": spec.sync,
             "max_staleness": spec.max_staleness,

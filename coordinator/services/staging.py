@@ -56,6 +56,7 @@ def verify_staged(session: Session, blobs: BlobStore, *, run_id: int, round_: in
 def _verify_one(session: Session, blobs: S3BlobStore, contribution_id: int, key: str, digest: str) -> int:
     run = session.get_one(Run, session.get_one(Contribution, contribution_id).run_id)
     cfg, layout, codec = run_model_config(run), run_layout(run), run.config.get("codec", "fp32")
+    sparse_rows = run.config.get("sparse_rows", False)
     levels = {
         level_index: (module_id, name)
         for module_id, level_index, name in session.execute(
@@ -78,7 +79,7 @@ def _verify_one(session: Session, blobs: S3BlobStore, contribution_id: int, key:
             reason = f"the upload hashes to {actual}, its commit said {digest}"
         else:
             try:
-                norms = validated_payload(body, cfg, layout, levels, codec=codec).norms
+                norms = validated_payload(body, cfg, layout, levels, codec=codec, sparse_rows=sparse_rows).norms
             except Invalid as exc:
                 reason = exc.detail
     if norms is not None:

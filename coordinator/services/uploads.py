@@ -88,6 +88,8 @@ class _Checked:
     outer: OuterConfig
     codec: str
     """The run's codec: uploads must come in it."""
+    sparse_rows: bool = False
+    """The run's sparse_rows: the embedding comes as rows (`modules.sparse_rows`), and only then."""
 
 
 class UploadDesk:
@@ -211,7 +213,14 @@ def submit_outer_gradients(
         return checked
     session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
     if upload.body is not None:
-        payload = validated_payload(upload.body, checked.cfg, checked.layout, checked.levels, codec=checked.codec)
+        payload = validated_payload(
+            upload.body,
+            checked.cfg,
+            checked.layout,
+            checked.levels,
+            codec=checked.codec,
+            sparse_rows=checked.sparse_rows,
+        )
         _check_norms(payload, checked)
     else:
         payload = _staged_payload(blobs, upload, checked)
@@ -232,7 +241,9 @@ def _staged_payload(blobs: BlobStore, upload: Upload, checked: _Checked) -> Payl
     first8 = blobs.staged_range(upload.staged_key, 0, 8)
     n = header_length(first8, cap=cap)
     head = first8 + blobs.staged_range(upload.staged_key, 8, min(8 + n, size))
-    header = validated_header(head, size, checked.cfg, checked.layout, checked.levels, codec=checked.codec)
+    header = validated_header(
+        head, size, checked.cfg, checked.layout, checked.levels, codec=checked.codec, sparse_rows=checked.sparse_rows
+    )
     return Payload(prefixes=header.prefixes, norms=dict.fromkeys(header.prefixes), codec=checked.codec)
 
 
@@ -258,6 +269,7 @@ def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
         levels=_path_levels(session, lease, max_staleness=run_schedule(run).max_staleness),
         outer=OuterConfig(**run.config["outer"]),
         codec=run.config.get("codec", "fp32"),
+        sparse_rows=run.config.get("sparse_rows", False),
     )
 
 

@@ -14,7 +14,15 @@ from coordinator.db import make_engine, make_sessionmaker
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
 from coordinator.services.runs import run_schedule
 from coordinator.states import RoundStatus, RunStatus
-from modules import OuterConfig, RoundAccumulator, contribution_weight, decode, grad_norm, outlier_scales
+from modules import (
+    OuterConfig,
+    RoundAccumulator,
+    contribution_weight,
+    decode,
+    expand_rows,
+    grad_norm,
+    outlier_scales,
+)
 from modules.asynchrony import Damping, staleness_weight
 
 
@@ -88,7 +96,9 @@ def _recompute(
         .order_by(Contribution.path_id, Contribution.id)
     ).all()
     assert parts, (module_id, rnd)
-    grads = [blobs.load_tensors(row.blob_hash, row.prefix, verified=set()) for row, _ in parts]  # any codec
+    params = _weights(blobs, base.weights_hash)
+    # any codec; sparse rows scattered to the module's shapes (each row averaged over the parts that sent it)
+    grads = [expand_rows(blobs.load_tensors(row.blob_hash, row.prefix, verified=set()), params) for row, _ in parts]
     norms = [grad_norm(g) for g in grads]
     for (row, _), norm in zip(parts, norms, strict=True):
         assert row.norm == pytest.approx(norm, rel=1e-4), (module_id, rnd)
@@ -98,4 +108,4 @@ def _recompute(
     acc = RoundAccumulator()
     for (row, tokens), grad in zip(parts, grads, strict=True):
         acc.add(grad, contribution_weight(outer, tokens), scale=row.scale * staleness_weight(row.staleness, damping))
-    return acc.finish(_weights(blobs, base.weights_hash), _momentum(blobs, base), outer)
+    return acc.finish(params, _momentum(blobs, base), outer)
