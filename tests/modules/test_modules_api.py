@@ -29,6 +29,7 @@ PUBLIC = {
     "decode_grad",
     "encode",
     "encode_grad",
+    "expand_rows",
     "flavour",
     "grad_norm",
     "grad_payload_nbytes",
@@ -46,6 +47,7 @@ PUBLIC = {
     "rescale",
     "simulate",
     "split_state",
+    "touched_rows",
     "train_steps",
     "weighted_average",
 }
