@@ -1,4 +1,4 @@
-"""Async / hybrid bench (issue 13): the same 2x2 debug model trained for the same wall budget three ways, by 4
+"""Async / hybrid bench: the same 2x2 debug model trained for the same wall budget three ways, by 4
 islands of which one is ~3x slower, slowed from outside its process by a duty-cycled SIGSTOP/SIGCONT (stopped
 2/3 of every 300 ms):
 

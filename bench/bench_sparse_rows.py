@@ -1,4 +1,4 @@
-"""Sparse embedding rows (issue 13 item 5): embedding bytes per contribution and held-out perplexity, dense rows vs
+"""Sparse embedding rows: embedding bytes per contribution and held-out perplexity, dense rows vs
 `sparse_rows`, on the multilingual man-page corpus with a BPE vocabulary.
 
 In process (`modules.simulate`, the reference the service equals): a DiPaCo 2x2 (debug flavour, vocabulary set to

@@ -54,8 +54,8 @@ from modules.outer import (
     outlier_scales,
     pseudo_gradient,
 )
-from modules.simulate import _through_codec, check_sparse_rows, next_range
-from modules.sparse_rows import touched_rows
+from modules.simulate import _through_codec, next_range
+from modules.sparse_rows import check_sparse_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 Tensors = dict[str, torch.Tensor]

@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from modules.sparse_rows import is_rows, rows_name
+from modules.sparse_rows import expand_rows, is_rows, rows_name
 
 DEFAULT_ALLOWED = frozenset({"F32"})
 
@@ -232,12 +232,7 @@ def encode_grad(
     encoded.update({rows_name(name): ids for name, ids in rows.items()})
     data = st_save(encoded, metadata=_grad_metadata(codec, block_size))
     if error_feedback is not None:
-        decoded = decode_grad(data)
-        for name, ids in rows.items():
-            full = torch.zeros(sent[name].shape, dtype=torch.float32)
-            full[ids] = decoded[name]
-            decoded[name] = full
-        error_feedback.record(sent, decoded)
+        error_feedback.record(sent, expand_rows(decode_grad(data), sent))  # zeros on the rows not sent
     return data
 
 

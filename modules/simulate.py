@@ -61,7 +61,7 @@ from modules.outer import (
     outlier_scales,
     pseudo_gradient,
 )
-from modules.sparse_rows import SPARSE_LEVEL, SPARSE_PARAM, expand_rows, touched_rows
+from modules.sparse_rows import SPARSE_LEVEL, SPARSE_PARAM, check_sparse_rows, expand_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 Tensors = dict[str, torch.Tensor]
@@ -176,15 +176,6 @@ def simulate(
         # a path's loss is the mean over its workers
         losses.append([sum(worker_losses[p * replicas : (p + 1) * replicas]) / replicas for p in range(num_paths)])
     return SimulationResult(losses=losses, modules=modules, momentum=momentum)
-
-
-def check_sparse_rows(cfg: ModelConfig, *, sparse_rows: bool) -> None:
-    """Sparse rows need an untied embedding: tied, the matrix is the LM head and every row gets gradient."""
-    if sparse_rows and cfg.tie_embeddings:
-        raise ValueError(
-            "sparse_rows needs untied embeddings: with tie_embeddings the token embedding is also the LM head, "
-            "whose every row gets gradient from the softmax"
-        )
 
 
 def _through_codec(

@@ -1,4 +1,4 @@
-"""Sparse embedding rows (issue 13 item 5; Persia, arXiv 2111.05897 §4: only the touched embedding rows travel).
+"""Sparse embedding rows: only the embedding rows a lease touched travel (Persia, arXiv 2111.05897 §4).
 
 A sample touches only the embedding rows of its own tokens. With a large (BPE) vocabulary and routed,
 language-specific paths, most rows of the token embedding get no gradient during a lease: their outer gradient
@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
+
+from modules.config import ModelConfig
 
 Tensors = dict[str, torch.Tensor]
 
@@ -74,3 +76,14 @@ def split_rows(grad: Mapping[str, torch.Tensor]) -> tuple[Tensors, dict[str, tor
     if missing:
         raise KeyError(f"row ids without their tensor: {missing}")
     return tensors, rows
+
+
+def check_sparse_rows(cfg: ModelConfig, *, sparse_rows: bool) -> None:
+    """Sparse rows need an untied embedding: tied, the matrix is the LM head and every row gets gradient
+    (ValueError otherwise; the coordinator answers it with a 422)."""
+    if sparse_rows and cfg.tie_embeddings:
+        raise ValueError(
+            "sparse_rows needs untied embeddings: with tie_embeddings the token embedding is also the LM head, "
+            "whose every row gets gradient from the softmax (set model.tie_embeddings to false, or sparse_rows "
+            "to false)"
+        )

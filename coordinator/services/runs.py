@@ -30,6 +30,7 @@ from modules import (
 from modules.asynchrony import AsyncSettings, period_size
 from modules.layout import Layout
 from modules.outer import Tensors
+from modules.sparse_rows import check_sparse_rows
 
 
 def model_config(spec: RunCreate) -> ModelConfig:
@@ -114,12 +115,10 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         )
     if session.scalar(select(func.count()).select_from(Run).where(Run.name == spec.name)):
         raise Conflict(f"a run named {spec.name!r} already exists")
-    if spec.sparse_rows and cfg.tie_embeddings:
-        raise Invalid(
-            "sparse_rows needs untied embeddings: with tie_embeddings the token embedding is also the LM head, "
-            "whose every row gets gradient from the softmax (set model.tie_embeddings to false, or sparse_rows "
-            "to false)"
-        )
+    try:
+        check_sparse_rows(cfg, sparse_rows=spec.sparse_rows)
+    except ValueError as exc:
+        raise Invalid(str(exc)) from exc
     modes = layout.modes(spec.sync)
     if spec.min_inner_steps is not None and "round" in modes:
         raise Invalid(

@@ -1,4 +1,4 @@
-"""Shuffled shards make the input order not matter (issue 18): a corpus given in blocks of domains and the same
+"""Shuffled shards make the input order not matter: a corpus given in blocks of domains and the same
 corpus shuffled train a dense model to the same held-out perplexity, and their first rounds read every domain,
 where corpus-order shards of the block corpus read one or two. In-process (`modules.simulate`, the service's
 round arithmetic) on a tiny model."""
