@@ -408,7 +408,10 @@ class ContributionPublic(BaseModel):
     tokens: int
     train_loss: float
     status: ContributionStatus
-    round_applied: bool = Field(description="Whether this upload completed the round")
+    round_applied: bool = Field(
+        description="Whether the round this upload went into has closed with it (this upload completed it, or a sweep "
+        "or a concurrent upload closed it right after); its outer step follows on the apply executors"
+    )
 
 
 class LeaseReleased(BaseModel):

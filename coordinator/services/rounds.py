@@ -106,6 +106,15 @@ def close_ready_rounds(session: Session, *, now: datetime, run_ids: list[int] | 
     return [c for c in closed if c is not None]
 
 
+def round_closed(session: Session, run_id: int, number: int) -> bool:
+    """Whether round `number` of the run has stopped taking uploads (closing or applied). An upload accepted
+    into that round and followed by this answer is one of the contributions the round closed with: closing
+    takes the run row exclusively, so it saw every upload committed before it and refuses every one after."""
+    status = session.scalar(select(Round.status).where(Round.run_id == run_id, Round.number == number))
+    session.rollback()
+    return status is not None and status != RoundStatus.OPEN
+
+
 def finish_round(
     session: Session, run: Run, number: int, *, now: datetime, affinity: Affinity | None
 ) -> list[ReadyOffer]:

@@ -39,6 +39,7 @@ from coordinator.services.events import record_refused_upload
 from coordinator.services.leases import get_lease
 from coordinator.services.payloads import Payload, header_cap, header_length, validated_header, validated_payload
 from coordinator.services.periods import budget_spent, finish_if_done, flush_periods, make_due
+from coordinator.services.rounds import round_closed
 from coordinator.services.runs import run_layout, run_model_config, run_schedule
 from coordinator.states import ContributionStatus, LeaseStatus, RoundStatus, RunStatus
 from modules import Layout, ModelConfig, OuterConfig
@@ -177,7 +178,12 @@ class UploadDesk:
                 raise
             contribution = submitted.contribution
             self._metrics.contributions.labels(result="accepted" if submitted.created else "duplicate").inc()
-            applied = submitted.created and self._closer.close_ready(session, [contribution.run_id], now=now) > 0
+            # the round is complete with this upload, whoever closed it: this request, or a sweep or another
+            # upload that ran between this commit and the close probe
+            applied = submitted.created and (
+                self._closer.close_ready(session, [contribution.run_id], now=now) > 0
+                or round_closed(session, contribution.run_id, contribution.round)
+            )
             if submitted.created and submitted.asynchronous:
                 self._closer.async_progress(submitted.steps)
             return ContributionPublic(

@@ -5,13 +5,17 @@ from __future__ import annotations
 import re
 import threading
 import time
+from datetime import datetime
 
 import httpx
+import pytest
 import torch
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from coordinator.models import Lease
+from coordinator.services.rounds import close_ready_rounds
 from modules import OuterConfig, decode, nesterov_step
 from tests.conftest import FakeClock
 from tests.coordinator.helpers import (
@@ -274,6 +278,32 @@ def test_round_past_deadline_without_quorum_stays_open(client: TestClient, clock
     lb = lease(client, island_id, h)
     assert lb is not None and lb["round"] == 0  # 2 of 4 < quorum: keep leasing the same round
     assert upload(client, lb, h, train_lease(client, lb, h)).json()["round_applied"] is True
+    assert wait_applied(client, run["id"])["current_round"] == 1
+
+
+def test_an_upload_whose_round_a_sweep_closed_first_still_reports_it_complete(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The background sweep may close a round between the commit of its last upload and that upload's own close
+    probe; the upload still completed the round and says so."""
+    run = create_running_run(client)
+    island_id, h = join(client, max_leases=4)
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    own_probe = state.closer.close_ready
+    swept: list[int] = []
+
+    def sweep_first(session: Session, run_ids: list[int] | None, *, now: datetime) -> int:
+        with state.sessions() as other:  # the sweeper's own session wins the close
+            swept.append(len(close_ready_rounds(other, now=now)))
+        return own_probe(session, run_ids, now=now)
+
+    monkeypatch.setattr(state.closer, "close_ready", sweep_first)
+    answers = []
+    for _ in range(4):
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        answers.append(upload(client, lb, h, train_lease(client, lb, h)).json()["round_applied"])
+    assert swept == [0, 0, 0, 1] and answers == [False, False, False, True]
     assert wait_applied(client, run["id"])["current_round"] == 1
 
 

@@ -4,7 +4,9 @@ leasing again as soon as its upload is accepted, with int8 uploads and error fee
 coordinator accepted the uploads, and the module versions each lease trained from, are read back from the
 registry (REST); the reference replays them and must give every upload's train loss, every part's staleness and
 every module's final weights and version. Which uploads arrive stale depends on the timing of the two
-processes; the replay does not, so the test holds for any timing. ~40 s."""
+processes; the replay does not, so the test holds for any timing. Island-1 stalls 1 s in each of its leases (island
+fault injection) while island-0's uploads step the shared modules under it: some uploads are stale whatever the
+machine's load. ~20-40 s."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from island.faults import STALL_ENV
 from modules import InnerConfig, ModelConfig, OuterConfig, decode, parse_layout
 from modules.asynchrony import AsyncSettings, Lease, Upload, simulate_async
 from tests.integration.conftest import Cluster, create_run, wait_finished, wait_islands_joined
@@ -25,6 +28,7 @@ SPEC: dict[str, Any] = {
     "model": {"flavour": "debug", "d_model": 32, "seq_len": 16, "n_heads": 2},
     "layout": "embed:shared, b0-0:routed2, b1-1:routed2, head:shared",
     "sync": "async",
+    "max_staleness": 16,  # above the run's 12 uploads: none is refused, however the two islands interleave
     "dn_period": 2,
     "inner": {"batch_size": 2, "warmup_steps": 2, "lr": 0.003},
     "inner_steps": 4,
@@ -38,10 +42,13 @@ def database_url(tmp_path: Any) -> str:
     return f"sqlite:///{tmp_path / 'registry.db'}"
 
 
-def test_async_service_equals_the_replayed_reference(cluster: Cluster) -> None:
+def test_async_service_equals_the_replayed_reference(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     cluster.start_coordinator()
     with cluster.admin() as client:
-        islands = [cluster.start_island(f"island-{i}") for i in range(2)]
+        islands = [cluster.start_island("island-0")]
+        with monkeypatch.context() as env:
+            env.setenv(STALL_ENV, "*:2:1.0")
+            islands.append(cluster.start_island("island-1"))
         wait_islands_joined(client, 2)
         run_id = create_run(client, SPEC, num_tokens=600)
         run = wait_finished(cluster, client, run_id)
@@ -60,9 +67,9 @@ def test_async_service_equals_the_replayed_reference(cluster: Cluster) -> None:
             (m["level"], m["index"]): decode(client.get(f"/v1/modules/{m['id']}/weights").content) for m in modules
         }
     assert all(proc.poll() in (None, 0) for proc in islands)
-    assert refused == []  # max_staleness 4 is never reached by two islands on four paths
+    assert refused == []
     assert run["schedule"] == "async" and len(contributions) == 4 * 3  # 3 leases of H=4 per path, no rounds
-    # two islands always have a lease in flight while the other's upload steps a shared module
+    # island-0 uploads while island-1's leases stall
     assert any(m["staleness"] > 0 for c in contributions for m in c["modules"])
 
     # the arrival order: accepted uploads by id (the order their transactions took the modules' locks); each
@@ -81,7 +88,7 @@ def test_async_service_equals_the_replayed_reference(cluster: Cluster) -> None:
         parse_layout(SPEC["layout"], n_layers=cfg.n_layers),
         InnerConfig(**run["config"]["inner"]),
         OuterConfig(**run["config"]["outer"]),
-        AsyncSettings(sync="async", dn_period=2),
+        AsyncSettings(sync="async", max_staleness=16, dn_period=2),
         events=events,
         budget_steps=3 * 4,
         seed=0,

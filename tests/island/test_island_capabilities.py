@@ -59,6 +59,15 @@ def test_stall_fault_is_parsed_from_the_environment_and_fires_once_per_matching_
     assert time.perf_counter() - t0 < 0.1
     stall.maybe_stall(lease_id=1, round=1, step=2, stop=stop)
     assert time.perf_counter() - t0 >= 0.2
+    monkeypatch.setenv(STALL_ENV, "*:1:0.1")
+    every = Stall.from_env()
+    assert every == Stall(round=None, step=1, seconds=0.1)
+    t0 = time.perf_counter()
+    every.maybe_stall(lease_id=2, round=0, step=2, stop=stop)
+    assert time.perf_counter() - t0 < 0.1
+    every.maybe_stall(lease_id=2, round=0, step=1, stop=stop)
+    every.maybe_stall(lease_id=3, round=7, step=1, stop=stop)
+    assert time.perf_counter() - t0 >= 0.2
     monkeypatch.setenv(STALL_ENV, "nonsense")
     with pytest.raises(ValueError, match="ROUND:STEP:SECONDS"):
         Stall.from_env()
