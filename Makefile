@@ -19,10 +19,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dipaco demo
 
+# pytest workers (pytest-xdist); 0 runs the suite in this process, in file order
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

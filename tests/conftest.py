@@ -17,6 +17,10 @@ ADMIN = "admin-token-for-tests-0000"
 JOIN = "join-token-for-tests-00000"
 PG_SERVER = os.environ.get("DIPACO_TEST_PG_SERVER", "postgresql+psycopg://postgres@127.0.0.1:5432")
 
+# pytest-xdist workers inherit COLUMNS=80 from it; the CLIs' output width is asserted as a user without a terminal
+# (and without $COLUMNS) sees it, so the suite runs the same on workers and in one process
+os.environ.pop("COLUMNS", None)
+
 _pg_state: dict[str, str | None] = {}
 
 

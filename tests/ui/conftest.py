@@ -5,6 +5,7 @@ cannot be done. Playwright's own browser download is never used (`executable_pat
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
 APT_PACKAGES = ["chromium", "chromium-driver"]
+INSTALL_LOCK = "/tmp/dipaco-tests-chromium-install.lock"
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
 
@@ -38,9 +40,11 @@ def _install_chromium() -> str | None:
 
 @pytest.fixture(scope="session")
 def chromium_path() -> Path:
-    """Debian's chromium, installed when missing."""
+    """Debian's chromium, installed when missing (one pytest worker at a time: apt holds a lock of its own)."""
     if not CHROMIUM.exists():
-        reason = _install_chromium()
+        with open(INSTALL_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            reason = None if CHROMIUM.exists() else _install_chromium()
         if reason is not None:
             pytest.skip(reason)
     return CHROMIUM
