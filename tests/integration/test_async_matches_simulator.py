@@ -1,12 +1,12 @@
 """An all-async run through the service equals the reference replaying the same arrival order
 (`modules.asynchrony.simulate_async`): two island processes train a 2x2 whose levels are all async, each path
-leasing again as soon as its upload is accepted, with int8 uploads and error feedback. The order in which the
-coordinator accepted the uploads, and the module versions each lease trained from, are read back from the
-registry (REST); the reference replays them and must give every upload's train loss, every part's staleness and
-every module's final weights and version. Which uploads arrive stale depends on the timing of the two
-processes; the replay does not, so the test holds for any timing. Island-1 stalls 1 s in each of its leases (island
-fault injection) while island-0's uploads step the shared modules under it: some uploads are stale whatever the
-machine's load. ~20-40 s."""
+leasing again as soon as its upload is accepted, with int8 uploads and error feedback, with dense and with sparse
+embedding rows. The order in which the coordinator accepted the uploads, and the module versions each lease
+trained from, are read back from the registry (REST); the reference replays them and must give every upload's
+train loss, every part's staleness and every module's final weights and version. Which uploads arrive stale
+depends on the timing of the two processes; the replay does not, so the test holds for any timing. Island-1
+stalls 1 s in each of its leases (island fault injection) while island-0's uploads step the shared modules under
+it: some uploads are stale whatever the machine's load. ~20-40 s each."""
 
 from __future__ import annotations
 
@@ -42,7 +42,12 @@ def database_url(tmp_path: Any) -> str:
     return f"sqlite:///{tmp_path / 'registry.db'}"
 
 
-def test_async_service_equals_the_replayed_reference(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("sparse_rows", [False, True], ids=["dense", "sparse-rows"])
+def test_async_service_equals_the_replayed_reference(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, sparse_rows: bool
+) -> None:
+    """With `sparse_rows`, each path's embedding travels as the rows of its own alphabet and the async apply
+    averages each row over the contributions of its period that touched it (the reference does the same)."""
     cluster.start_coordinator()
     with cluster.admin() as client:
         islands = [cluster.start_island("island-0")]
@@ -50,7 +55,7 @@ def test_async_service_equals_the_replayed_reference(cluster: Cluster, monkeypat
             env.setenv(STALL_ENV, "*:2:1.0")
             islands.append(cluster.start_island("island-1"))
         wait_islands_joined(client, 2)
-        run_id = create_run(client, SPEC, num_tokens=600)
+        run_id = create_run(client, {**SPEC, "sparse_rows": sparse_rows}, num_tokens=600)
         run = wait_finished(cluster, client, run_id)
         paths = client.get("/v1/paths", params={"run_id": run_id}).json()["data"]
         tokens = [
@@ -68,6 +73,7 @@ def test_async_service_equals_the_replayed_reference(cluster: Cluster, monkeypat
         }
     assert all(proc.poll() in (None, 0) for proc in islands)
     assert refused == []
+    assert run["config"]["sparse_rows"] is sparse_rows
     assert run["schedule"] == "async" and len(contributions) == 4 * 3  # 3 leases of H=4 per path, no rounds
     # island-0 uploads while island-1's leases stall
     assert any(m["staleness"] > 0 for c in contributions for m in c["modules"])
@@ -94,6 +100,7 @@ def test_async_service_equals_the_replayed_reference(cluster: Cluster, monkeypat
         seed=0,
         tokens=tokens,
         codec=run["config"]["codec"],
+        sparse_rows=run["config"]["sparse_rows"],
     )
     by_arrival = sorted(contributions, key=lambda c: c["id"])
     for got, want in zip(by_arrival, ref.uploads, strict=True):
