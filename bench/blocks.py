@@ -1,17 +1,19 @@
 """Block benchmark: gpt2 vs llama paths at equal parameters per path, trained through the real service.
 
 Both block styles (`modules.ModelConfig.block`; the llama SwiGLU width matches the gpt2 path's parameter count) run
-dense-S and DiPaCo 2x2 on the built-in corpus exactly like `bench/quality.py` (coordinator subprocess, one island
-subprocess per path, same shards for every run). The inner lr is chosen by the same search for both blocks: every
-lr of `--lrs` with the first seed, keeping the one with the lowest geometric mean over the models of the
-*validation-half* perplexity; the other seeds then run at that lr. Seeds change the initial weights only (the
-shards are routed once and reused). Reported: held-out perplexity (both halves, and the test half) mean and
-standard deviation over the seeds, the llama / gpt2 ratio, 2x2 / dense-S, and CPU training tokens/s (the inner
-AdamW loop on one thread, as in an island, both blocks interleaved; and end to end per run, islands included).
-Results go to `blocks-<time>.json` in `--workdir`, rewritten after every run. See docs/QUALITY.md, docs/LOG.md.
+dense-S and DiPaCo 2x2 (or any contenders of `bench/quality.py`, `--models`) on a built-in corpus exactly like
+`bench/quality.py` (coordinator subprocess, one island subprocess per path). The inner lr is chosen by the same
+search for both blocks: every lr of `--lrs` with the first seed, keeping the one with the lowest geometric mean
+over the models of the *validation-half* perplexity; the other seeds then run at that lr. Seeds change the
+initial weights and the shards (k-means and the shuffled document order are seeded); at one seed every block
+trains on the same shards. Reported: held-out perplexity (both halves, and the test half) mean and standard
+deviation over the seeds, the llama / gpt2 ratio, 2x2 / dense-S, and CPU training tokens/s (the inner AdamW loop
+on one thread, as in an island, both blocks interleaved; and end to end per run, islands included). Results go to
+`blocks-<time>.json` in `--workdir`, rewritten after every run. See docs/QUALITY.md, docs/LOG.md.
 
     python bench/blocks.py --eval-docs 100                      # debug, 8 x H=50 x batch 16, 4 lrs, 3 seeds
     python bench/blocks.py --lrs 1e-3 --seeds 0 --rounds 2      # a quick look
+    python bench/blocks.py --models "DiPaCo 4x4" --lrs 1e-3     # the 4x4 row (16 island processes)
     python bench/blocks.py --speed-only --speed-reps 15 [--flavour small]   # CPU tokens/s only
 """
 
@@ -109,7 +111,13 @@ def main(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = workdir / f"blocks-{stamp}.json"
     cfgs = {b: ModelConfig.from_dict({**flavour(flavour_name).to_dict(), "block": b}) for b in block_names}
-    contenders = {b: [c for c in standard_contenders(flavour_name, block=b) if c.name in wanted] for b in block_names}
+    contenders = {
+        b: [c for c in standard_contenders(flavour_name, block=b, with_4x4="DiPaCo 4x4" in wanted) if c.name in wanted]
+        for b in block_names
+    }
+    known = {c.name for c in standard_contenders(flavour_name, with_4x4=True)}
+    if unknown := [m for m in wanted if m not in known]:
+        raise typer.BadParameter(f"unknown model(s) {unknown}; known: {sorted(known)}", param_hint="--models")
     params = {b: contenders[b][0].path_params() for b in block_names}
     widths = {b: c.mlp_hidden for b, c in cfgs.items()}
     console.print(f"flavour {flavour_name}: parameters per path {params}; MLP width {widths}")
