@@ -33,7 +33,8 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_async.py [--quick] [--budget-s 180] [--inner-steps 30]
         [--min-inner-steps 10] [--max-inner-steps 60] [--batch-size 16] [--points 6] [--eval-docs 200] [--seed 0]
-        [--slow-factor 3] [--parts 1,2,3] [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
+        [--slow-factor 3] [--parts 1,2,3] [--modes round,async,hybrid] [--damping inverse|none]
+        [--max-staleness S] [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
 
 The defaults take ~15-20 minutes on 2 cores, `--quick` (20 s per mode, H 10) ~3.5 minutes: a smoke test whose
 numbers are dominated by per-lease overheads.
@@ -110,6 +111,12 @@ class Config:
     parts: frozenset[int]
     slow_factor: float = SLOW_FACTOR
     stall_leases: float = 3.0
+    modes: tuple[str, ...] = MODES
+    """Modes to run, round first (the others are judged against it)."""
+    damping: str = "inverse"
+    """The async levels' `staleness_damping` (1/(1+s), or none)."""
+    max_staleness: int | None = None
+    """The run's `max_staleness` for async levels (None: the run default)."""
 
 
 # ------------------------------------------------------------------------------------------ signals from outside
@@ -271,6 +278,10 @@ def run_spec(mode: str, layout: str, cfg: Config) -> RunCreate:
     }
     if mode == "async":  # dynamic local updates are for all-async runs only
         spec |= {"min_inner_steps": cfg.min_inner_steps, "max_inner_steps": cfg.max_inner_steps}
+    if mode != "round":
+        spec["staleness_damping"] = cfg.damping
+        if cfg.max_staleness is not None:
+            spec["max_staleness"] = cfg.max_staleness
     return RunCreate.model_validate(spec)
 
 
@@ -522,6 +533,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         "--slow-factor", type=float, default=SLOW_FACTOR, help="the slow island is stopped 1 - 1/this of every 0.3 s"
     )
     parser.add_argument("--parts", default="1,2,3", help="comma-separated subset of 1,2,3")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated modes; round must be one (the baseline)"
+    )
+    parser.add_argument("--damping", choices=("inverse", "none"), default="inverse", help="async staleness damping")
+    parser.add_argument("--max-staleness", type=int, default=None, help="async levels (default: the run default)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")
     args = parser.parse_args(argv)
@@ -534,7 +550,18 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         parser.error("--parts takes a comma-separated subset of 1,2,3")
     if args.slow_factor < 1:
         parser.error("--slow-factor must be >= 1")
-    config = Config(**preset, seed=args.seed, parts=parts, slow_factor=args.slow_factor)
+    modes = tuple(m for m in MODES if m in args.modes.split(","))
+    if "round" not in modes or len(modes) != len(set(args.modes.split(","))):
+        parser.error(f"--modes takes a comma-separated subset of {','.join(MODES)} that includes round")
+    config = Config(
+        **preset,
+        seed=args.seed,
+        parts=parts,
+        slow_factor=args.slow_factor,
+        modes=modes,
+        damping=args.damping,
+        max_staleness=args.max_staleness,
+    )
     return config, args.out, args.workdir
 
 
@@ -555,14 +582,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{two_by_two.layout}; debug; {ISLANDS} islands, the last one {cfg.slow_factor:g}x slow; "
         f"{cfg.budget_s:g} s per mode; H {cfg.inner_steps} (async {cfg.min_inner_steps}..{cfg.max_inner_steps}), "
-        f"batch {cfg.batch_size}; seed {cfg.seed}; parts {','.join(map(str, sorted(cfg.parts)))}"
+        f"batch {cfg.batch_size}; seed {cfg.seed}; parts {','.join(map(str, sorted(cfg.parts)))}; "
+        f"modes {','.join(cfg.modes)}; damping {cfg.damping}; max_staleness {cfg.max_staleness}"
     )
     print(f"logs and registries: {rundir}")
 
     results: dict[str, dict[str, Any]] = {}
     stall_s: float | None = None
     started = time.monotonic()
-    for mode in MODES:
+    for mode in cfg.modes:
         t = time.monotonic()
         trial = train(mode, cfg, layout=two_by_two.layout, shards_dir=shards_dir, workdir=rundir, stall_s=stall_s)
         try:
