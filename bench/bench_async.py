@@ -550,8 +550,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         parser.error("--parts takes a comma-separated subset of 1,2,3")
     if args.slow_factor < 1:
         parser.error("--slow-factor must be >= 1")
-    modes = tuple(m for m in MODES if m in args.modes.split(","))
-    if "round" not in modes or len(modes) != len(set(args.modes.split(","))):
+    wanted = set(args.modes.split(","))
+    modes = tuple(m for m in MODES if m in wanted)  # round first: the others are judged against it
+    if "round" not in wanted or not wanted <= set(MODES):
         parser.error(f"--modes takes a comma-separated subset of {','.join(MODES)} that includes round")
     config = Config(
         **preset,

@@ -111,11 +111,9 @@ def main(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = workdir / f"blocks-{stamp}.json"
     cfgs = {b: ModelConfig.from_dict({**flavour(flavour_name).to_dict(), "block": b}) for b in block_names}
-    contenders = {
-        b: [c for c in standard_contenders(flavour_name, block=b, with_4x4="DiPaCo 4x4" in wanted) if c.name in wanted]
-        for b in block_names
-    }
-    known = {c.name for c in standard_contenders(flavour_name, with_4x4=True)}
+    every = {b: standard_contenders(flavour_name, block=b, with_4x4=True) for b in block_names}
+    contenders = {b: [c for c in candidates if c.name in wanted] for b, candidates in every.items()}
+    known = {c.name for c in every[block_names[0]]}
     if unknown := [m for m in wanted if m not in known]:
         raise typer.BadParameter(f"unknown model(s) {unknown}; known: {sorted(known)}", param_hint="--models")
     params = {b: contenders[b][0].path_params() for b in block_names}
