@@ -5,6 +5,7 @@
   python bench/bench_coordinator.py apply     [--k 16]         a 256-path x 4-module round: 1 vs 2 apply-workers
   python bench/bench_coordinator.py islands   [--islands 256]  simulated islands on PostgreSQL: p50/p99 latency
   python bench/bench_coordinator.py cost      [--islands 200]  coordinator CPU per request kind vs /healthz
+  python bench/bench_coordinator.py s3        [--mb 90]        S3-direct vs proxied uploads: coordinator CPU, RSS
 
 Targets: upload >= 0.5x raw socket; aggregate peak RSS flat in K and <= 3x module + 300 MB; islands p99 < 100 ms
 with zero lost contributions.
@@ -65,13 +66,21 @@ JOIN = "bench-join-token-0000000"
 PG = os.environ.get("DIPACO_TEST_PG_SERVER", "postgresql+psycopg://postgres@127.0.0.1:5432")
 
 
-def start_coordinator(data_dir: Path, database_url: str, *, workers: int = 1) -> tuple[subprocess.Popen[bytes], str]:
+def start_coordinator(
+    data_dir: Path,
+    database_url: str,
+    *,
+    workers: int = 1,
+    extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {
         **os.environ,
         "DIPACO_ADMIN_TOKEN": ADMIN,
         "DIPACO_JOIN_TOKEN": JOIN,
         "DIPACO_MAX_UPLOAD_BYTES": str(4 << 30),
+        **(extra_env or {}),
     }
     proc = subprocess.Popen(
         [
@@ -90,6 +99,7 @@ def start_coordinator(data_dir: Path, database_url: str, *, workers: int = 1) ->
             os.environ.get("BENCH_LOG_LEVEL", "warning"),
             "--workers",
             str(workers),
+            *extra_args,
         ],
         env=env,
         stdout=(data_dir.parent / f"coordinator-{port}.log").open("wb"),
@@ -315,6 +325,186 @@ def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
         proc.terminate()
         proc.wait()
         shutil.rmtree(tmp / "coordinator", ignore_errors=True)  # the blobs (~6 x payload); the log stays
+
+
+# ------------------------------------------------------------------------------------------------- s3
+
+BUCKET = "dipaco-bench"
+
+
+def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+    """moto's S3-compatible server on loopback in a process of its own, with the bench bucket."""
+    import boto3
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(endpoint, timeout=1.0)
+            break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        raise RuntimeError("moto server did not start")
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    return proc, endpoint
+
+
+def proc_status_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+def _s3_session(mb: float, n: int, mode: str, endpoint: str, tmp: Path) -> dict[str, Any]:
+    """One coordinator on an s3:// store (`--apply-workers 0`: executors are elsewhere), `n` uploads of ~`mb` MB
+    each through `mode` (`proxied`: POST to the coordinator; `direct`: ticket, PUT to the bucket, commit): the
+    coordinator's CPU per accepted contribution (idle CPU of the same process subtracted) and its peak RSS."""
+    data_dir = tmp / f"{mode}-{mb:g}"
+    blob_url = f"s3://{BUCKET}/{mode}-{mb:g}-{uuid.uuid4().hex[:6]}"
+    proc, url = start_coordinator(
+        data_dir,
+        f"sqlite:///{data_dir.parent / f'{mode}-{mb:g}.db'}",
+        extra_env={"DIPACO_BLOB_URL": blob_url, "DIPACO_S3_ENDPOINT_URL": endpoint},
+        extra_args=("--apply-workers", "0"),
+    )
+    try:
+        with CoordinatorClient(url, ADMIN, timeout=600) as admin:
+            spec = {
+                "name": f"s3-{mode}",
+                "model": big_model(mb),
+                "codec": "fp32",  # the payload is the size asked for
+                "layout": f"embed:shared, b0-1:routed{n + 2}, head:shared",  # one path more: no round closes
+                "inner_steps": 1,
+                "inner": {"batch_size": 1},
+                "num_rounds": 1000,
+            }
+            run = create_run(admin, spec)
+        leases = []
+        for i in range(n + 1):  # an island holds one lease at a time: one island per upload (the first warms up)
+            island = CoordinatorClient(url, JOIN, timeout=600)
+            island.join(f"bench-{mode}-{i}")
+            lease = island.lease()
+            assert lease is not None, island.idle
+            leases.append((island, lease, lease_grads(lease)))  # all payloads built before the clock
+        warm_island, warm_lease, warm_payload = leases.pop(0)  # first calls (boto3, SQL compilation) not counted
+        if mode == "direct":
+            warm_island.upload_direct(warm_lease, warm_payload, tokens=1, train_loss=1.0)
+        else:
+            warm_island.upload(warm_lease, warm_payload, tokens=1, train_loss=1.0)
+        warm_island.close()
+        rss_start = proc_status_kb(proc.pid, "VmRSS")
+        # creating the run initialised a whole path in the coordinator: peak RSS from here on is the uploads'
+        Path(f"/proc/{proc.pid}/clear_refs").write_text("5")
+        time.sleep(1.0)
+        idle_start, idle_t = process_cpu_s(proc.pid), time.perf_counter()
+        time.sleep(3.0)
+        idle_rate = (process_cpu_s(proc.pid) - idle_start) / (time.perf_counter() - idle_t)
+        rows = []
+        total0, total_t = process_cpu_s(proc.pid), time.perf_counter()
+        for island, lease, payload in leases:
+            cpu0, t0 = process_cpu_s(proc.pid), time.perf_counter()
+            if mode == "direct":
+                assert lease.direct_upload, "an s3:// coordinator should offer direct uploads"
+                island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
+            else:
+                island.upload(lease, payload, tokens=1, train_loss=1.0)
+            wall = time.perf_counter() - t0
+            cpu = process_cpu_s(proc.pid) - cpu0 - idle_rate * wall
+            rows.append({"payload_mb": round(len(payload) / 1e6, 1), "cpu_s": round(cpu, 4), "wall_s": round(wall, 3)})
+        total_wall = time.perf_counter() - total_t
+        total = process_cpu_s(proc.pid) - total0 - idle_rate * total_wall  # the clock ticks in 10 ms: sum, not rows
+        for island, _, _ in leases:
+            island.close()
+        verify = _verify_cpu(data_dir, blob_url, endpoint, run.id) if mode == "direct" else None
+        return {
+            "mode": mode,
+            "payload_mb": rows[0]["payload_mb"],
+            "rows": rows,
+            "cpu_s_per_contribution": round(total / len(rows), 4),
+            "idle_cpu_per_s": round(idle_rate, 4),
+            "rss_start_mb": round(rss_start / 1024, 1),
+            "peak_rss_mb": round(proc_status_kb(proc.pid, "VmHWM") / 1024, 1),  # since clear_refs
+            "executor_verify_cpu_s_per_contribution": verify,
+        }
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _verify_cpu(data_dir: Path, blob_url: str, endpoint: str, run_id: int) -> float:
+    """What the direct uploads cost the apply executor that first needs them (`staging.verify_staged`: read from
+    the bucket, sha256, values checked, promoted): CPU seconds of this process per contribution."""
+    from sqlalchemy import func, select
+
+    from coordinator.blobstore import open_blob_store
+    from coordinator.db import make_engine, make_sessionmaker
+    from coordinator.models import Contribution, ContributionGrad
+    from coordinator.services.staging import verify_staged
+
+    sessions = make_sessionmaker(make_engine(f"sqlite:///{data_dir.parent / (data_dir.name + '.db')}"))
+    blobs = open_blob_store(blob_url, s3_endpoint_url=endpoint)
+    with sessions() as session:
+        module_id, step = session.execute(
+            select(ContributionGrad.module_id, ContributionGrad.step)
+            .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
+            .where(Contribution.run_id == run_id)
+            .order_by(ContributionGrad.module_id)
+        ).first() or (None, None)
+        staged = session.scalar(
+            select(func.count())
+            .select_from(Contribution)
+            .where(Contribution.run_id == run_id, Contribution.staged_key.is_not(None))
+        )
+        assert module_id is not None and staged
+        cpu0 = time.process_time()
+        done = verify_staged(session, blobs, run_id=run_id, round_=step, module_id=module_id)
+        cpu = time.process_time() - cpu0
+    if done != staged:
+        raise RuntimeError(f"verified {done} of {staged} staged uploads (module {module_id} is not on every path?)")
+    return round(cpu / done, 4)
+
+
+def bench_s3(mb: float, small_mb: float, n: int) -> dict[str, Any]:
+    """S3-direct vs proxied uploads on the same s3:// store (moto's server on loopback): coordinator CPU seconds
+    per accepted contribution (target: direct <= 0.1x proxied at ~90 MB), and the coordinator's peak RSS at two
+    payload sizes (target: independent of payload size on the direct path)."""
+    tmp = Path(tempfile.mkdtemp(prefix="dipaco-bench-s3-"))
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    moto, endpoint = start_moto()
+    try:
+        sessions = [
+            _s3_session(size, n, mode, endpoint, tmp) for size in (mb, small_mb) for mode in ("proxied", "direct")
+        ]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        moto.kill()
+        moto.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    big = {s["mode"]: s for s in sessions if s["payload_mb"] > small_mb * 1.5}
+    cpu_ratio = big["direct"]["cpu_s_per_contribution"] / big["proxied"]["cpu_s_per_contribution"]
+    growth = {s["mode"] + str(s["payload_mb"]): round(s["peak_rss_mb"] - s["rss_start_mb"], 1) for s in sessions}
+    direct_growth = max(big["direct"]["peak_rss_mb"] - big["direct"]["rss_start_mb"], 0.0)
+    return {
+        "bench": "s3",
+        "sessions": sessions,
+        "direct_over_proxied_cpu": round(cpu_ratio, 4),
+        "peak_rss_growth_during_uploads_mb": growth,
+        "target": "direct cpu <= 0.1x proxied; direct peak RSS during uploads grows < 10 % of one payload",
+        "ok": cpu_ratio <= 0.1 and direct_growth < 0.1 * big["direct"]["payload_mb"],
+    }
 
 
 # ------------------------------------------------------------------------------------------- aggregate
@@ -796,7 +986,8 @@ def bench_cost(n: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["upload", "aggregate", "apply", "islands", "cost"])
+    ap.add_argument("which", choices=["upload", "aggregate", "apply", "islands", "cost", "s3"])
+    ap.add_argument("--small-mb", type=float, default=10.0, help="s3: the second payload size (peak RSS)")
     ap.add_argument("--k", type=int, default=16, help="apply: a k x k grid (k^2 paths)")
     ap.add_argument("--d-model", type=int, default=256, help="apply: module width")
     ap.add_argument("--executors", default="1,2", help="apply: apply-worker processes to compare")
@@ -816,6 +1007,8 @@ def main() -> None:
         result = bench_aggregate(args.mb, [int(k) for k in args.ks.split(",")])
     elif args.which == "apply":
         result = bench_apply(args.k, args.d_model, [int(n) for n in args.executors.split(",")])
+    elif args.which == "s3":
+        result = bench_s3(args.mb, args.small_mb, args.repeats)
     elif args.which == "cost":
         result = bench_cost(args.islands)
     else:

@@ -244,6 +244,24 @@ class S3BlobStore:
                 return None
             raise BlobError(f"s3://{self.bucket}/{key}: {exc}") from exc
 
+    def staged_head(self, key: str, length: int) -> tuple[int, bytes] | None:
+        """The staged upload's size and its first `length` bytes (fewer when it is shorter), in one ranged GET;
+        None when nothing was PUT there."""
+        from botocore.exceptions import ClientError
+
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{length - 1}")
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in ("404", "NoSuchKey", "NotFound"):
+                return None
+            if code in ("416", "InvalidRange"):  # an empty object has no byte 0
+                return 0, b""
+            raise BlobError(f"s3://{self.bucket}/{key}: {exc}") from exc
+        data = bytes(reply["Body"].read())
+        total = str(reply.get("ContentRange") or "").rpartition("/")[2]
+        return (int(total) if total.isdigit() else len(data)), data
+
     def staged_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a staged upload (its safetensors header, read without the rest)."""
         if end <= start:
