@@ -53,6 +53,7 @@ from coordinator.client_http import (
     sha256_hex,
 )
 from coordinator.schemas import (
+    H_HELDOUT_LOSS,
     H_IDLE,
     H_ROUND,
     H_TOKENS,
@@ -181,6 +182,23 @@ class CoordinatorClient(Session):
             return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
         return self.download(f"/v1/shards/{shard_id}/tokens", what=what, expected_hash=expected_hash)
 
+    def register_heldout(
+        self, run_id: int, path_index: int, tokens: bytes | Path, *, num_documents: int
+    ) -> ShardPublic:
+        """Attach a path's held-out slice to a run (admin), after its shard: raw little-endian uint16 token ids,
+        from memory or a file (streamed from disk)."""
+        what = f"held-out slice {path_index} of run {run_id}"
+        url = f"/v1/runs/{run_id}/shards/{path_index}/heldout"
+        response = self.send(url, tokens, what=what, params={"num_documents": num_documents})
+        return self.parse(ShardPublic, self.check(response, what=what, ok=(200, 201)), what=what)
+
+    def heldout_tokens(self, shard_id: int, expected_hash: str | None = None, *, url: str | None = None) -> bytes:
+        """A shard's held-out slice (little-endian uint16), verified like `shard_tokens`."""
+        what = f"held-out slice of shard {shard_id}"
+        if url is not None and expected_hash is not None:
+            return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
+        return self.download(f"/v1/shards/{shard_id}/heldout", what=what, expected_hash=expected_hash)
+
     # -- modules and paths -------------------------------------------------------------------------------
 
     def modules(self, *, run_id: int | None = None, level: int | None = None) -> list[ModulePublic]:
@@ -276,12 +294,23 @@ class CoordinatorClient(Session):
         response = self.request("POST", f"/v1/leases/{lease_id}/release", what=what, give_up_after_s=give_up_after_s)
         self.check(response, what=what, ok=(200, 204, 409))
 
-    def upload(self, lease: LeasePublic, payload: bytes, *, tokens: int, train_loss: float) -> ContributionPublic:
-        """Stream the outer gradients of a lease. Idempotent on the server, so retries are safe.
+    def upload(
+        self,
+        lease: LeasePublic,
+        payload: bytes,
+        *,
+        tokens: int,
+        train_loss: float,
+        heldout_loss: float | None = None,
+    ) -> ContributionPublic:
+        """Stream the outer gradients of a lease (with the start weights' held-out loss, when scored). Idempotent on
+        the server, so retries are safe.
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
         headers = {H_ROUND: str(lease.round), H_TOKENS: str(tokens), H_TRAIN_LOSS: repr(float(train_loss))}
+        if heldout_loss is not None:
+            headers[H_HELDOUT_LOSS] = repr(float(heldout_loss))
         url = f"/v1/leases/{lease.lease_id}/outer-gradients"
         response = self.send(url, payload, what=what, headers=headers)
         if response.status_code == 409:
@@ -289,7 +318,13 @@ class CoordinatorClient(Session):
         return self.parse(ContributionPublic, self.check(response, what=what, ok=(200, 201)), what=what)
 
     def upload_direct(
-        self, lease: LeasePublic, payload: bytes, *, tokens: int, train_loss: float
+        self,
+        lease: LeasePublic,
+        payload: bytes,
+        *,
+        tokens: int,
+        train_loss: float,
+        heldout_loss: float | None = None,
     ) -> ContributionPublic:
         """Direct transfers (`lease.direct_upload`): ask for a pre-signed URL, PUT the outer gradients to the
         bucket, commit them. Each step retries; a commit is idempotent on the server.
@@ -318,6 +353,7 @@ class CoordinatorClient(Session):
             round=lease.round,
             tokens=tokens,
             train_loss=float(train_loss),
+            heldout_loss=None if heldout_loss is None else float(heldout_loss),
         )
         response = self.request(
             "POST", f"/v1/leases/{lease.lease_id}/commit", what=f"{what}: commit", json=commit.model_dump()

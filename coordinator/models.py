@@ -191,6 +191,9 @@ class Shard(Base):
     tokens_hash: Mapped[str] = mapped_column(String(64))
     num_tokens: Mapped[int]
     num_documents: Mapped[int]
+    heldout_hash: Mapped[str | None] = mapped_column(String(64), comment="The path's held-out slice (uint16 tokens)")
+    heldout_tokens: Mapped[int | None]
+    heldout_documents: Mapped[int | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -243,6 +246,9 @@ class Contribution(Base):
     path_id: Mapped[int] = mapped_column(ForeignKey("paths.id", ondelete="CASCADE"))
     tokens: Mapped[int]
     train_loss: Mapped[float] = mapped_column(Float)
+    heldout_loss: Mapped[float | None] = mapped_column(
+        Float, comment="The lease's start weights scored on the path's held-out slice by the island; NULL: not scored"
+    )
     codec: Mapped[Codec] = mapped_column(String(8), server_default="fp32")
     upload_bytes: Mapped[int] = mapped_column(server_default="0")
     staged_key: Mapped[str | None] = mapped_column(

@@ -30,6 +30,8 @@ H_TOKENS = "X-Dipaco-Tokens"
 """Upload: number of tokens the island trained on for this lease."""
 H_TRAIN_LOSS = "X-Dipaco-Train-Loss"
 """Upload: mean inner training loss of the lease (float)."""
+H_HELDOUT_LOSS = "X-Dipaco-Heldout-Loss"
+"""Upload (optional): mean loss of the lease's start weights on its path's held-out slice (`LeasePublic.heldout`)."""
 H_CONTENT_HASH = "X-Dipaco-Content-Sha256"
 """Download: sha256 of the body (also sent as the ETag)."""
 H_IDLE = "X-Dipaco-Idle"
@@ -196,6 +198,14 @@ class RunCreate(BaseModel):
         "these bounds (null: H = inner_steps)",
     )
     max_inner_steps: int | None = Field(default=None, ge=1, le=1_000_000, description="See min_inner_steps")
+    heldout_tokens: int = Field(
+        default=4096,
+        ge=0,
+        le=1 << 22,
+        description="The run keeps a held-out slice per path (`POST /v1/runs/{id}/shards/{path}/heldout`, `dipaco "
+        "router register`), and each lease's island scores its start weights on up to this many of its tokens and "
+        "reports the loss with the upload (held-out perplexity per path per round); 0: the run keeps none",
+    )
 
     @model_validator(mode="after")
     def _lease_lifetime(self) -> RunCreate:
@@ -279,6 +289,9 @@ class ShardPublic(BaseModel):
     tokens_hash: str
     num_tokens: int
     num_documents: int
+    heldout_hash: str | None = Field(default=None, description="The path's held-out slice, when registered")
+    heldout_tokens: int | None = None
+    heldout_documents: int | None = None
 
 
 class RoundPublic(BaseModel):
@@ -366,6 +379,16 @@ class LeaseShard(BaseModel):
     url: str | None = Field(default=None, description="Pre-signed GET of the token file (direct transfers)")
 
 
+class LeaseHeldout(BaseModel):
+    """The path's held-out slice: score the lease's start weights on its first `score_tokens` tokens."""
+
+    shard_id: int
+    tokens_hash: str
+    num_tokens: int
+    score_tokens: int = Field(description="The run's heldout_tokens")
+    url: str | None = Field(default=None, description="Pre-signed GET of the token file (direct transfers)")
+
+
 class LeasePublic(BaseModel):
     """Work for one island: train `inner_steps` AdamW steps of one path on one token range."""
 
@@ -380,6 +403,9 @@ class LeasePublic(BaseModel):
     first_step: int = Field(description="Global inner step of this lease's first step (round * H)")
     modules: list[LeaseModule]
     shard: LeaseShard
+    heldout: LeaseHeldout | None = Field(
+        default=None, description="The path's held-out slice, when the run keeps one: report the start weights' loss"
+    )
     token_start: int = Field(description="First token (inclusive) of the range in the shard")
     token_end: int = Field(description="Last token (exclusive); end - start = H * batch * seq_len + 1")
     epoch: int
@@ -407,6 +433,7 @@ class ContributionPublic(BaseModel):
     path_index: int
     tokens: int
     train_loss: float
+    heldout_loss: float | None = Field(default=None, description="The start weights' loss on the held-out slice")
     status: ContributionStatus
     round_applied: bool = Field(
         description="Whether the round this upload went into has closed with it (this upload completed it, or a sweep "
@@ -441,6 +468,7 @@ class ContributionSummary(BaseModel):
     island_id: int
     tokens: int
     train_loss: float
+    heldout_loss: float | None = Field(default=None, description="The start weights' loss on the held-out slice")
     status: ContributionStatus
     created_at: datetime
     modules: list[ContributionModule] = Field(default_factory=list, description="Per module, in level order")
@@ -502,6 +530,11 @@ class PathLoss(BaseModel):
     train_loss: float
     tokens: int
     island_id: int
+    heldout_loss: float | None = Field(
+        default=None,
+        description="Loss of the path's weights at the start of this round (the modules' versions its lease got) on "
+        "the path's held-out slice, scored by the island; null: not scored",
+    )
 
 
 class RoundHistory(BaseModel):
@@ -558,3 +591,4 @@ class UploadCommit(BaseModel):
     round: int = Field(ge=0, le=DB_INT_MAX)
     tokens: int = Field(ge=0, le=DB_INT_MAX)
     train_loss: float
+    heldout_loss: float | None = None

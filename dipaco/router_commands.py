@@ -8,8 +8,9 @@
 
 Both follow the tokenizer the shards were cut with: `refit` scores with the `tokenizer.json` found with the router
 (as `dipaco eval`), copies it next to the refit router (so `dipaco eval --router OUT` finds it) and re-shards
-with it. Held-out slices (`--heldout-docs-per-shard`) stay with the shard directory: the coordinator has no
-endpoint that stores them, so `register` says so instead of dropping them silently.
+with it. Held-out slices (`--heldout-docs-per-shard`) are uploaded after each path's shard when the run keeps
+them (its `heldout_tokens` > 0): the islands then report each round's held-out loss per path. When it keeps none,
+`register` says so instead of dropping them silently.
 """
 
 from __future__ import annotations
@@ -48,12 +49,19 @@ class RegistrationError(RuntimeError):
     """The coordinator stored a shard that does not match the manifest."""
 
 
-def register_shards(shards_dir: Path, *, client: CoordinatorClient, run_id: int) -> list[ShardPublic]:
-    """Upload every shard of `shards_dir` to run `run_id` (admin client); returns the coordinator's records.
+def register_shards(
+    shards_dir: Path, *, client: CoordinatorClient, run_id: int, heldout: bool = True
+) -> list[ShardPublic]:
+    """Upload every shard of `shards_dir` to run `run_id` (admin client), each followed by its held-out slice when
+    the manifest has one, `heldout` is on and the run keeps them (`heldout_tokens` > 0); returns the
+    coordinator's records (the last one of each path).
 
     The files are verified against the manifest first and streamed from disk; what the coordinator stored is
     checked against the manifest's sha256."""
     manifest = load_manifest(shards_dir)
+    run = client.run(run_id)
+    keeps = heldout and bool(run.config.get("heldout_tokens", 0))
+    window = run.config["model"]["seq_len"] + 1  # a slice shorter than one scoring window is not sent
     registered: list[ShardPublic] = []
     for shard in manifest["shards"]:
         index = shard["path_index"]
@@ -63,6 +71,16 @@ def register_shards(shards_dir: Path, *, client: CoordinatorClient, run_id: int)
                 f"shard {index} of run {run_id}: coordinator stored tokens_hash {record.tokens_hash}, "
                 f"manifest says {shard['sha256']}"
             )
+        held = shard.get("heldout")
+        if keeps and held is not None and held["num_tokens"] >= window:
+            record = client.register_heldout(
+                run_id, index, shards_dir / held["file"], num_documents=max(1, held["num_documents"])
+            )
+            if record.heldout_hash != held["sha256"]:
+                raise RegistrationError(
+                    f"held-out slice {index} of run {run_id}: coordinator stored {record.heldout_hash}, "
+                    f"manifest says {held['sha256']}"
+                )
         registered.append(record)
     return registered
 
@@ -91,20 +109,27 @@ def register_command(
         table.add_row(str(r.path_index), str(r.id), f"{r.num_tokens:,}", str(r.num_documents))
     out.print(table)
     out.print(run_state(state), highlight=False)
-    note = heldout_note(load_manifest(shards), shards)
+    note = heldout_note(load_manifest(shards), shards, records, state)
     if note:
         out.print(note, highlight=False)
 
 
-def heldout_note(manifest: dict[str, object], shards_dir: Path) -> str:
-    """What `register` did not upload: the per-shard held-out slices, which the coordinator cannot store yet."""
+def heldout_note(manifest: dict[str, object], shards_dir: Path, records: list[ShardPublic], run: RunPublic) -> str:
+    """What `register` did with the per-shard held-out slices, in a sentence ("" when the shards have none)."""
     held = manifest.get("heldout_docs_per_shard")
     if not held:
         return ""
+    uploaded = sum(r.heldout_hash is not None for r in records)
+    if uploaded:
+        return (
+            f"held-out slices uploaded for {uploaded} of {len(records)} paths ({held} documents per shard): each "
+            f"lease's island reports its start weights' loss on up to {run.config.get('heldout_tokens')} of their "
+            f"tokens (`/v1/runs/{run.id}/history`, the dashboard)"
+        )
     return (
         f"not uploaded: the held-out slices ({held} documents per shard, path-XXXX.heldout.tokens) stay in "
-        f"{shards_dir}; the coordinator has no endpoint for them yet, so early stopping on them is done "
-        "locally (`dipaco eval`, `bench/quality.py`)"
+        f"{shards_dir}: run {run.id} keeps none (created with heldout_tokens 0); score them locally "
+        "(`dipaco eval`, `bench/quality.py`)"
     )
 
 

@@ -51,6 +51,7 @@ from modules import (
     build_path,
     decode,
     encode_grad,
+    heldout_loss,
     make_optimizer,
     pseudo_gradient,
     touched_rows,
@@ -151,6 +152,8 @@ class LeaseResult:
     """Seconds spent in the H inner steps."""
     upload_s: float = 0.0
     """Seconds spent encoding and uploading the outer gradients."""
+    heldout_loss: float | None = None
+    """The start weights' mean loss on the path's held-out slice (`LeasePublic.heldout`), when the run keeps one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,8 @@ class _Inputs:
     """Their weights (the lease's base versions), in the same order."""
     tokens: torch.Tensor
     """The lease's token range of the shard (int64)."""
+    heldout: torch.Tensor | None = None
+    """The tokens of the path's held-out slice to score the start weights on (int64), when the run keeps one."""
 
 
 class Island:
@@ -381,6 +386,13 @@ class Island:
             download_bytes=self._downloaded,
             fetch_s=time.perf_counter() - t_fetch,
         )
+        if inputs.heldout is not None:  # the start weights: the modules' versions the lease was given
+            try:
+                result.heldout_loss = heldout_loss(
+                    model, inputs.heldout, max_tokens=inputs.heldout.numel(), device=self.device
+                )
+            except ValueError as exc:  # too short to score: train anyway, report no held-out loss
+                log.warning("%s: held-out slice not scored: %s", inputs.where, exc)
         torch.manual_seed(lease.seed + self.config.seed_offset)
         batches = batches_from_tokens(
             inputs.tokens, batch_size=inputs.inner.batch_size, seq_len=inputs.model_cfg.seq_len, steps=lease.inner_steps
@@ -399,11 +411,12 @@ class Island:
         if residual:
             self._residuals.accept(key, lease.lease_id, residual)
         log.info(
-            "round %d path %d: loss %.4f→%.4f, %.0f tok/s, upload %.2f MB%s",
+            "round %d path %d: loss %.4f→%.4f%s, %.0f tok/s, upload %.2f MB%s",
             lease.round,
             lease.path_index,
             result.losses[0],
             result.losses[-1],
+            "" if result.heldout_loss is None else f" (held-out at start {result.heldout_loss:.4f})",
             result.tokens_per_s,
             result.upload_bytes / 1e6,
             " (completed the round)" if contribution.round_applied else "",
@@ -423,9 +436,12 @@ class Island:
         levels = sorted(lease.modules, key=lambda m: m.level)
         base = [self._module_weights(m, where) for m in levels]
         tokens = self._tokens(lease, model_cfg, inner, where)
+        heldout = self._heldout(lease)
         if self._heartbeat.lease_lost:
             raise LeaseLost(lease.lease_id, "heartbeat reply no longer lists it")
-        return _Inputs(where=where, model_cfg=model_cfg, inner=inner, levels=levels, base=base, tokens=tokens)
+        return _Inputs(
+            where=where, model_cfg=model_cfg, inner=inner, levels=levels, base=base, tokens=tokens, heldout=heldout
+        )
 
     def _resume(self, lease: LeasePublic, inputs: _Inputs) -> tuple[PathModel, torch.optim.Optimizer]:
         """Compose the path from its base weights and give it the inner AdamW state kept for (run, path), if any;
@@ -539,7 +555,9 @@ class Island:
         result.upload_bytes = len(payload)
         mean_loss = sum(result.losses) / len(result.losses)
         send = self.client.upload_direct if lease.direct_upload else self.client.upload  # bucket, or coordinator
-        contribution = send(lease, payload, tokens=result.tokens, train_loss=mean_loss)
+        contribution = send(
+            lease, payload, tokens=result.tokens, train_loss=mean_loss, heldout_loss=result.heldout_loss
+        )
         result.upload_s = time.perf_counter() - t_upload
         return contribution, feedback.residual
 
@@ -556,6 +574,20 @@ class Island:
             return decode(data)
         except CodecError as exc:
             raise IslandError(f"{where}: weights of module {module.module_id} v{module.version}: {exc}") from exc
+
+    def _heldout(self, lease: LeasePublic) -> torch.Tensor | None:
+        """The first `score_tokens` of the path's held-out slice (cache or network), when the lease has one."""
+        heldout = lease.heldout
+        if heldout is None:
+            return None
+
+        def fetch() -> bytes:
+            data = self.client.heldout_tokens(heldout.shard_id, heldout.tokens_hash, url=heldout.url)
+            self._downloaded += len(data)
+            return data
+
+        tokens = self.cache.tokens(heldout.tokens_hash, _retry_integrity_once(fetch))
+        return torch.from_numpy(tokens[: heldout.score_tokens].astype("int64"))
 
     def _tokens(self, lease: LeasePublic, model_cfg: ModelConfig, inner: InnerConfig, where: str) -> torch.Tensor:
         shard = lease.shard

@@ -32,7 +32,7 @@ from modules.outer import (
 )
 from modules.simulate import SimulationResult, simulate
 from modules.sparse_rows import expand_rows, touched_rows
-from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
+from modules.train import InnerConfig, batches_from_tokens, heldout_loss, make_optimizer, train_steps
 
 __all__ = [
     "CodecError",
@@ -52,6 +52,7 @@ __all__ = [
     "accumulate",
     "alpha_weights",
     "batches_from_tokens",
+    "heldout_loss",
     "build_path",
     "compose_state",
     "contribution_weight",

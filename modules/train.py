@@ -75,6 +75,39 @@ def train_steps(
     return losses
 
 
+@torch.no_grad()
+def heldout_loss(
+    model: PathModel,
+    tokens: torch.Tensor,
+    *,
+    max_tokens: int,
+    batch_size: int = 16,
+    device: torch.device | None = None,
+) -> float:
+    """Mean next-token loss of `model` on the first `max_tokens` of `tokens`, cut into non-overlapping windows of
+    seq_len inputs (+1 target); the model's train/eval mode is restored afterwards."""
+    seq_len = model.cfg.seq_len
+    n = min(max_tokens, tokens.numel())
+    windows = (n - 1) // seq_len
+    if windows < 1:
+        raise ValueError(f"held-out scoring needs at least seq_len + 1 = {seq_len + 1} tokens, got {n}")
+    data = tokens[: windows * seq_len + 1].long()
+    x_all = data[:-1].view(windows, seq_len)
+    y_all = data[1:].view(windows, seq_len)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        for start in range(0, windows, batch_size):
+            x, y = x_all[start : start + batch_size], y_all[start : start + batch_size]
+            if device is not None:
+                x, y = x.to(device), y.to(device)
+            total += float(model.loss(x, y)) * x.size(0)
+    finally:
+        model.train(was_training)
+    return total / windows
+
+
 def batches_from_tokens(
     tokens: torch.Tensor, *, batch_size: int, seq_len: int, steps: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -30,6 +30,24 @@ runner = CliRunner()
 RUN = {"model": {"flavour": "debug", "d_model": 32, "seq_len": 48, "n_heads": 2, "n_layers": 2}}
 
 
+FAKE_RUN = {
+    "id": 7,
+    "name": "fake",
+    "status": "waiting_for_shards",
+    "current_round": 0,
+    "num_rounds": 1,
+    "num_paths": 2,
+    "inner_steps": 1,
+    "layout": "embed:shared, b0-1:routed2, head:shared",
+    "config": {"model": {"seq_len": 48}, "heldout_tokens": 0},
+    "lease_ttl_s": 60.0,
+    "max_lease_s": 600.0,
+    "quorum": 1.0,
+    "round_deadline_s": None,
+    "created_at": "2026-12-01T00:00:00Z",
+}
+
+
 class FakeCoordinator:
     """Stores shard uploads like the coordinator's shard route, keyed by (run, path)."""
 
@@ -42,6 +60,11 @@ class FakeCoordinator:
         self.requests.append(request)
         if request.headers.get("authorization") != "Bearer admin-secret":
             return httpx.Response(401, json={"detail": "admin token required"})
+        if request.method == "GET":  # the run: register reads whether it keeps held-out slices
+            run = request.url.path.rsplit("/", 1)[1]
+            if run != "7":
+                return httpx.Response(404, json={"detail": f"run {run} not found"})
+            return httpx.Response(200, json=FAKE_RUN)
         _, _, _, run, _, index = request.url.path.split("/")
         if run != "7":
             return httpx.Response(404, json={"detail": f"run {run} not found"})
@@ -90,7 +113,8 @@ def test_register_shards_uploads_every_file(small_shards: Path) -> None:
         records = register_shards(small_shards, client=client, run_id=7)
     manifest = json.loads((small_shards / "manifest.json").read_text())
     assert [r.path_index for r in records] == [0, 1]
-    for shard, record, request in zip(manifest["shards"], records, fake.requests, strict=True):
+    uploads = [r for r in fake.requests if r.method == "POST"]
+    for shard, record, request in zip(manifest["shards"], records, uploads, strict=True):
         body = (small_shards / shard["file"]).read_bytes()
         assert fake.bodies[(7, shard["path_index"])] == body
         assert request.headers["content-length"] == str(len(body))  # streamed, not chunk-encoded
@@ -169,3 +193,39 @@ def test_refit_command(
     bad = [*args[:7], str(tmp_path / "s2"), *args[8:]]
     result = runner.invoke(app, bad, obj=coordinator)
     assert result.exit_code == 1 and "the router has 2 paths" in result.output
+
+
+@pytest.fixture(scope="module")
+def shards_with_heldout(corpus_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+    out = tmp_path_factory.mktemp("shards-heldout")
+    shard_corpus(corpus_dir, out, ShardOptions(num_paths=2, heldout_docs_per_shard=2))
+    return out
+
+
+@pytest.mark.parametrize("heldout_tokens", [4096, 0])
+def test_register_uploads_held_out_slices_when_the_run_keeps_them(
+    shards_with_heldout: Path, coordinator: TestClient, heldout_tokens: int
+) -> None:
+    admin = CoordinatorClient("http://testserver", ADMIN, http=coordinator, retry=RetryPolicy.once())
+    layout = "embed:shared, b0-1:routed2, head:shared"
+    run = admin.create_run(
+        {**RUN, "name": f"held-{heldout_tokens}", "layout": layout, "heldout_tokens": heldout_tokens}
+    )
+    args = ["router", "register", "--shards", str(shards_with_heldout), "--coordinator", "http://coord",
+            "--run", str(run.id), "--token", ADMIN]  # fmt: skip
+    result = runner.invoke(app, args, obj=coordinator)
+    assert result.exit_code == 0, result.output
+    manifest = load_manifest(shards_with_heldout)
+    island = CoordinatorClient("http://testserver", JOIN, http=coordinator, retry=RetryPolicy.once())
+    island.join("reader")
+    lease = island.lease()
+    assert lease is not None
+    if heldout_tokens:
+        assert "held-out slices uploaded for 2 of 2 paths (2 documents per shard)" in " ".join(result.output.split())
+        held = manifest["shards"][lease.path_index]["heldout"]
+        assert lease.heldout is not None and lease.heldout.tokens_hash == held["sha256"]
+        body = island.heldout_tokens(lease.heldout.shard_id, lease.heldout.tokens_hash)
+        assert body == (shards_with_heldout / held["file"]).read_bytes()
+    else:
+        assert f"run {run.id} keeps none (created with heldout_tokens 0)" in " ".join(result.output.split())
+        assert lease.heldout is None

@@ -24,7 +24,7 @@ from coordinator.api.deps import AppState, principal_for
 from coordinator.errors import PayloadTooLarge, ServiceError
 from coordinator.timing import ASGIApp, Message, Receive, Scope, Send
 
-RAW_BODY_PATHS = re.compile(r"/v1/(leases/[^/]+/outer-gradients|runs/[^/]+/shards/[^/]+)")
+RAW_BODY_PATHS = re.compile(r"/v1/(leases/[^/]+/outer-gradients|runs/[^/]+/shards/[^/]+(/heldout)?)")
 """The routes whose body is a raw upload, spooled with its own cap."""
 
 

@@ -109,7 +109,8 @@ class LeaseDispatcher:
             held += time.monotonic() - started
 
     def _with_urls(self, lease: LeasePublic) -> LeasePublic:
-        """The lease with pre-signed GETs of its modules and shard, and direct upload on (s3:// stores only)."""
+        """The lease with pre-signed GETs of its modules, shard and held-out slice, and direct upload on (s3://
+        stores only)."""
         if self._direct is None:
             return lease
         expiry = self._presign_expiry_s
@@ -120,7 +121,12 @@ class LeaseDispatcher:
         shard = lease.shard.model_copy(
             update={"url": self._direct.presign_get(lease.shard.tokens_hash, expires_s=expiry)}
         )
-        return lease.model_copy(update={"modules": modules, "shard": shard, "direct_upload": True})
+        heldout = lease.heldout
+        if heldout is not None:
+            heldout = heldout.model_copy(
+                update={"url": self._direct.presign_get(heldout.tokens_hash, expires_s=expiry)}
+            )
+        return lease.model_copy(update={"modules": modules, "shard": shard, "heldout": heldout, "direct_upload": True})
 
     async def _attempt(self, island_id: int, ticket: asyncio.Event | None) -> _Found:
         """One look for work: an offer this process built (no read), else the database, unless nothing changed

@@ -36,8 +36,15 @@ def run_history(session: Session, run_id: int, *, offset: int, limit: int) -> Ru
     events: dict[tuple[int, EventKind], int] = {}
     if rounds:
         first, last = rounds[0].number, rounds[-1].number
-        for number, path_index, loss, tokens, island_id in session.execute(
-            select(Contribution.round, Path.index, Contribution.train_loss, Contribution.tokens, Lease.island_id)
+        for number, path_index, loss, tokens, island_id, heldout in session.execute(
+            select(
+                Contribution.round,
+                Path.index,
+                Contribution.train_loss,
+                Contribution.tokens,
+                Lease.island_id,
+                Contribution.heldout_loss,
+            )
             .join(Path, Path.id == Contribution.path_id)
             .join(Lease, Lease.id == Contribution.lease_id)
             .where(
@@ -47,7 +54,11 @@ def run_history(session: Session, run_id: int, *, offset: int, limit: int) -> Ru
             )
             .order_by(Contribution.round, Path.index)
         ):
-            losses[number].append(PathLoss(path_index=path_index, train_loss=loss, tokens=tokens, island_id=island_id))
+            losses[number].append(
+                PathLoss(
+                    path_index=path_index, train_loss=loss, tokens=tokens, island_id=island_id, heldout_loss=heldout
+                )
+            )
         for event_round, kind, n in session.execute(
             select(Event.round, Event.kind, func.count())
             .where(Event.run_id == run_id, Event.round.between(first, last))

@@ -42,7 +42,7 @@ from coordinator.models import (
     Run,
     Shard,
 )
-from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
+from coordinator.schemas import LeaseHeldout, LeaseModule, LeasePublic, LeaseShard
 from coordinator.services.events import ExpiredLease, add_lease_expiries
 from coordinator.services.runs import inner_step_bounds, tokens_per_lease
 from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, RoundStatus, RunStatus, StepStatus
@@ -435,13 +435,30 @@ def _token_range(run: Run, path: Path, num_tokens: int, steps: int | None) -> tu
     return start, start + need, epoch
 
 
-def _shard(session: Session, run_id: int, path_index: int) -> LeaseShard:
-    shard_id, tokens_hash, num_tokens = session.execute(
-        select(Shard.id, Shard.tokens_hash, Shard.num_tokens).where(
-            Shard.run_id == run_id, Shard.path_index == path_index
-        )
-    ).one()
-    return LeaseShard(shard_id=shard_id, tokens_hash=tokens_hash, num_tokens=num_tokens)
+SHARD_VIEW = (Shard.id, Shard.tokens_hash, Shard.num_tokens, Shard.heldout_hash, Shard.heldout_tokens)
+"""What a lease view needs of a shard row (`_shard_view`)."""
+
+
+def _shard(session: Session, run: Run, path_index: int) -> tuple[LeaseShard, LeaseHeldout | None]:
+    row = session.execute(select(*SHARD_VIEW).where(Shard.run_id == run.id, Shard.path_index == path_index)).one()
+    return _shard_view(run, *row)
+
+
+def _shard_view(
+    run: Run, shard_id: int, tokens_hash: str, num_tokens: int, heldout_hash: str | None, heldout_tokens: int | None
+) -> tuple[LeaseShard, LeaseHeldout | None]:
+    """The lease's shard, and its held-out slice when the path has one and the run scores it."""
+    shard = LeaseShard(shard_id=shard_id, tokens_hash=tokens_hash, num_tokens=num_tokens)
+    score = int(run.config.get("heldout_tokens", 0))
+    if heldout_hash is None or not heldout_tokens or score <= 0:
+        return shard, None
+    heldout = LeaseHeldout(
+        shard_id=shard_id,
+        tokens_hash=heldout_hash,
+        num_tokens=heldout_tokens,
+        score_tokens=min(score, heldout_tokens),
+    )
+    return shard, heldout
 
 
 def _modules(session: Session, path_id: int) -> list[LeaseModule]:
@@ -491,7 +508,13 @@ def _new_lease(
     )
 
 
-def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list[LeaseModule]) -> LeasePublic:
+def _public(
+    run: Run,
+    path: Path,
+    lease: Lease,
+    shard: tuple[LeaseShard, LeaseHeldout | None],
+    modules: list[LeaseModule],
+) -> LeasePublic:
     return LeasePublic(
         lease_id=lease.id,
         run_id=run.id,
@@ -503,7 +526,8 @@ def _public(run: Run, path: Path, lease: Lease, shard: LeaseShard, modules: list
         inner_steps=lease.inner_steps or run.inner_steps,
         first_step=path.steps_done if run.schedule == "async" else lease.round * run.inner_steps,
         modules=modules,
-        shard=shard,
+        shard=shard[0],
+        heldout=shard[1],
         token_start=lease.token_start,
         token_end=lease.token_end,
         epoch=lease.epoch,
@@ -525,14 +549,14 @@ def _issue(
     round_: int | None = None,
     steps: int | None = None,
 ) -> LeasePublic:
-    shard, modules = _shard(session, run.id, path.index), _modules(session, path.id)
+    shard, modules = _shard(session, run, path.index), _modules(session, path.id)
     expires = now + timedelta(seconds=run.lease_ttl_s)
     versions = {str(m.module_id): m.version for m in modules}
     lease = _new_lease(
         run,
         path,
         island_id,
-        num_tokens=shard.num_tokens,
+        num_tokens=shard[0].num_tokens,
         base_versions=versions,
         status=LeaseStatus.ACTIVE,
         expires=expires,
@@ -579,9 +603,9 @@ def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
         return []
     paths = {path.id: path for path in chosen.values()}
     shards = {
-        index: LeaseShard(shard_id=shard_id, tokens_hash=tokens_hash, num_tokens=n)
-        for index, shard_id, tokens_hash, n in session.execute(
-            select(Shard.path_index, Shard.id, Shard.tokens_hash, Shard.num_tokens).where(Shard.run_id == run.id)
+        index: _shard_view(run, shard_id, tokens_hash, n, heldout_hash, heldout_n)
+        for index, shard_id, tokens_hash, n, heldout_hash, heldout_n in session.execute(
+            select(Shard.path_index, *SHARD_VIEW).where(Shard.run_id == run.id)
         )
     }
     modules: dict[int, list[LeaseModule]] = {path_id: [] for path_id in paths}
@@ -601,7 +625,7 @@ def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
             run,
             path,
             island_id,
-            num_tokens=shards[path.index].num_tokens,
+            num_tokens=shards[path.index][0].num_tokens,
             base_versions={str(m.module_id): m.version for m in modules[path.id]},
             status=LeaseStatus.OFFERED,
             expires=expires,
@@ -676,7 +700,7 @@ def take_offer(session: Session, island_id: int, *, now: datetime) -> LeasePubli
     path = session.get_one(Path, lease.path_id)
     lease.status = LeaseStatus.ACTIVE
     lease.expires_at = now + timedelta(seconds=run.lease_ttl_s)
-    shard, modules = _shard(session, run.id, path.index), _modules(session, path.id)
+    shard, modules = _shard(session, run, path.index), _modules(session, path.id)
     session.commit()
     return _public(run, path, lease, shard, modules)
 

@@ -348,6 +348,7 @@ def list_contributions(
             island_id=island_id,
             tokens=c.tokens,
             train_loss=c.train_loss,
+            heldout_loss=c.heldout_loss,
             status=c.status,
             created_at=as_utc(c.created_at),
             modules=parts[c.id],

@@ -125,6 +125,11 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
             "min_inner_steps/max_inner_steps (dynamic local updates) need every level async: set sync to async "
             "and drop the ':round' levels of the layout"
         )
+    if 0 < spec.heldout_tokens <= cfg.seq_len:
+        raise Invalid(
+            f"heldout_tokens ({spec.heldout_tokens}) must be 0 (keep no held-out slices) or at least one scoring "
+            f"window of seq_len + 1 = {cfg.seq_len + 1} tokens"
+        )
     inner = InnerConfig(**spec.inner.model_dump(), total_steps=spec.num_rounds * spec.inner_steps)
     config: dict[str, Any] = {
         "model": cfg.to_dict(),
@@ -132,6 +137,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         "outer": spec.outer.model_dump(),
         "codec": spec.codec,
         "sparse_rows": spec.sparse_rows,
+        "heldout_tokens": spec.heldout_tokens,
         "schedule": {
             "sync": spec.sync,
             "max_staleness": spec.max_staleness,

@@ -1,4 +1,5 @@
-"""Registering a path's shard: a little-endian uint16 token file, validated, then stored as a blob."""
+"""Registering a path's shard, and its held-out slice: little-endian uint16 token files, validated, then stored
+as blobs."""
 
 from __future__ import annotations
 
@@ -72,6 +73,54 @@ def register_shard(
     if started:
         wakeups.notify()
     return shard
+
+
+def register_heldout(
+    session: Session, blobs: BlobStore, *, run_id: int, path_index: int, body: FilePath, num_documents: int
+) -> Shard:
+    """Store a path's held-out slice next to its shard (registered first). Leases of the path carry it from then
+    on: each island scores its start weights on up to the run's `heldout_tokens` of it and reports the loss with
+    its upload. Registering again replaces the slice."""
+    run = get_run(session, run_id)
+    if not run.config.get("heldout_tokens", 0):
+        raise Conflict(f"run {run_id} keeps no held-out slices (its heldout_tokens is 0)")
+    if run.status not in (RunStatus.WAITING_FOR_SHARDS, RunStatus.RUNNING):
+        raise Conflict(f"run {run_id} is {run.status}; held-out slices can only be registered before it ends")
+    if not 0 <= path_index < run.num_paths:
+        raise NotFound(f"path {path_index} does not exist: run {run_id} has paths 0..{run.num_paths - 1}")
+    shard = session.scalar(select(Shard).where(Shard.run_id == run_id, Shard.path_index == path_index))
+    if shard is None:
+        raise Conflict(f"path {path_index} of run {run_id} has no shard yet: register its shard first")
+    if num_documents < 1:
+        raise Invalid(f"num_documents must be >= 1, got {num_documents}")
+    size = body.stat().st_size
+    if size % 2:
+        raise Invalid(f"held-out body has {size} bytes; a token file holds 2-byte (uint16) tokens")
+    seq_len = run.config["model"]["seq_len"]
+    if size // 2 < seq_len + 1:
+        raise Invalid(
+            f"held-out slice for path {path_index} has {size // 2} tokens; scoring needs at least one window "
+            f"of seq_len + 1 = {seq_len + 1}"
+        )
+    tokens = np.memmap(body, dtype="<u2", mode="r")
+    vocab = run.config["model"]["vocab_size"]
+    if int(tokens.max()) >= vocab:
+        raise Invalid(f"held-out slice holds token id {int(tokens.max())}, the model's vocabulary is {vocab}")
+    with body.open("rb") as f:
+        digest, _ = blobs.put_stream(f)
+    shard.heldout_hash = digest
+    shard.heldout_tokens = int(tokens.size)
+    shard.heldout_documents = num_documents
+    session.commit()
+    return shard
+
+
+def get_heldout(session: Session, shard_id: int, *, reader: Principal) -> tuple[str, int]:
+    """A shard's held-out slice (hash, tokens), for the admin and the islands of its run."""
+    shard = get_shard(session, shard_id, reader=reader)
+    if shard.heldout_hash is None or shard.heldout_tokens is None:
+        raise NotFound(f"shard {shard_id} has no held-out slice")
+    return shard.heldout_hash, shard.heldout_tokens
 
 
 def get_shard(session: Session, shard_id: int, *, reader: Principal) -> Shard:

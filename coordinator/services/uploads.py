@@ -63,6 +63,8 @@ class Upload:
     size: int
     staged_key: str | None = None
     """A direct upload: PUT by the island into the bucket's staging area (`DirectUploads`)."""
+    heldout_loss: float | None = None
+    """`X-Dipaco-Heldout-Loss`, when sent: the lease's start weights scored on the path's held-out slice."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,10 @@ class _Checked:
     """The run's codec: uploads must come in it."""
     sparse_rows: bool = False
     """The run's sparse_rows: the embedding comes as rows (`modules.sparse_rows`), and only then."""
+
+
+STAGED_HEAD_READ = 64 << 10
+"""Bytes of a direct upload read with its size at commit: a path's safetensors header fits in them."""
 
 
 class UploadDesk:
@@ -155,6 +161,7 @@ class UploadDesk:
             round=commit.round,
             tokens=commit.tokens,
             train_loss=commit.train_loss,
+            heldout_loss=commit.heldout_loss,
             body=None,
             body_sha256=commit.sha256,
             size=commit.size,
@@ -194,6 +201,7 @@ class UploadDesk:
                 path_index=submitted.path_index,
                 tokens=contribution.tokens,
                 train_loss=contribution.train_loss,
+                heldout_loss=contribution.heldout_loss,
                 status=contribution.status,
                 round_applied=applied,
             )
@@ -234,21 +242,30 @@ def submit_outer_gradients(
 
 
 def _staged_payload(blobs: BlobStore, upload: Upload, checked: _Checked) -> Payload:
-    """A direct upload's header, read from the bucket with two ranged GETs; its values (finite, norms) are
-    verified by the apply executor before any math (`apply.verify_staged`)."""
+    """A direct upload's header, read from the bucket with one ranged GET (two when the header is longer than
+    `STAGED_HEAD_READ`); its values (finite, norms) are verified by the apply executor before any math
+    (`staging.verify_staged`)."""
     if not isinstance(blobs, S3BlobStore) or upload.staged_key is None:
         raise Invalid("direct uploads need an s3:// blob store")
-    size = blobs.staged_size(upload.staged_key)
-    if size is None:
+    head = blobs.staged_head(upload.staged_key, STAGED_HEAD_READ)
+    if head is None:
         raise Conflict(f"nothing was uploaded at {upload.staged_key}: PUT the body to the ticket's URL first")
+    size, first = head
     if size != upload.size:
         raise Invalid(f"the upload at {upload.staged_key} has {size} bytes, the commit says {upload.size}")
     cap = header_cap(checked.cfg, checked.layout, checked.levels)
-    first8 = blobs.staged_range(upload.staged_key, 0, 8)
-    n = header_length(first8, cap=cap)
-    head = first8 + blobs.staged_range(upload.staged_key, 8, min(8 + n, size))
+    n = header_length(first[:8], cap=cap)
+    need = min(8 + n, size)
+    if len(first) < need:
+        first += blobs.staged_range(upload.staged_key, len(first), need)
     header = validated_header(
-        head, size, checked.cfg, checked.layout, checked.levels, codec=checked.codec, sparse_rows=checked.sparse_rows
+        first[:need],
+        size,
+        checked.cfg,
+        checked.layout,
+        checked.levels,
+        codec=checked.codec,
+        sparse_rows=checked.sparse_rows,
     )
     return Payload(prefixes=header.prefixes, norms=dict.fromkeys(header.prefixes), codec=checked.codec)
 
@@ -266,6 +283,8 @@ def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
         raise Invalid(f"tokens must be >= 0, got {upload.tokens}")
     if not math.isfinite(upload.train_loss):
         raise Invalid(f"train loss must be finite, got {upload.train_loss}")
+    if upload.heldout_loss is not None and not (math.isfinite(upload.heldout_loss) and upload.heldout_loss >= 0):
+        raise Invalid(f"held-out loss must be finite and >= 0, got {upload.heldout_loss}")
     run = session.get_one(Run, lease.run_id)
     _check_lease(run, lease, upload.round, prior, _round_status(session, lease))
     return _Checked(
@@ -323,6 +342,7 @@ def _record(
         path_id=lease.path_id,
         tokens=upload.tokens,
         train_loss=upload.train_loss,
+        heldout_loss=upload.heldout_loss,
         codec=payload.codec,
         upload_bytes=upload.size,
         staged_key=upload.staged_key,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -201,3 +202,53 @@ def test_a_local_store_has_no_direct_uploads(client: TestClient) -> None:
     with pytest.raises((RequestRejected, LeaseLost)) as info:
         island.upload_direct(lease, b"\x00" * 64, tokens=1, train_loss=1.0)
     assert "direct uploads need an s3:// blob store" in str(info.value)
+
+
+@pytest.mark.parametrize("first_read", [16, 64 << 10])
+def test_a_commit_reads_the_header_in_one_get_or_two(
+    direct: TestClient, monkeypatch: pytest.MonkeyPatch, first_read: int
+) -> None:
+    """The commit reads size and header with one ranged GET; a header longer than that first read takes a second
+    one, and the upload is accepted either way."""
+    from coordinator.services import uploads
+
+    monkeypatch.setattr(uploads, "STAGED_HEAD_READ", first_read)
+    create_running_run(direct, name=f"head-{first_read}")
+    island = _island(direct, "reader")
+    lease = island.lease()
+    assert lease is not None
+    payload = encode_grad(_grads(direct, island, lease), "fp32")
+    assert int.from_bytes(payload[:8], "little") > 16  # the header is longer than the short first read
+    contribution = island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
+    assert contribution.status == "accepted"
+
+
+def test_staged_head_of_a_missing_an_empty_and_a_short_object(direct: TestClient) -> None:
+    from coordinator.blobstore import S3BlobStore
+
+    blobs = direct.app.state.dipaco.blobs  # type: ignore[attr-defined]
+    assert isinstance(blobs, S3BlobStore)
+    key = blobs.staging_key("probe")
+    assert blobs.staged_head(key, 64) is None
+    blobs.client.put_object(Bucket=blobs.bucket, Key=key, Body=b"")
+    assert blobs.staged_head(key, 64) == (0, b"")
+    blobs.client.put_object(Bucket=blobs.bucket, Key=key, Body=b"0123456789")
+    assert blobs.staged_head(key, 64) == (10, b"0123456789")
+    assert blobs.staged_head(key, 4) == (10, b"0123")
+
+
+def test_a_held_out_slice_comes_from_the_bucket_and_its_loss_goes_with_the_commit(direct: TestClient) -> None:
+    run = create_running_run(direct, name="direct-heldout", layout="embed:shared, b0-1:routed1, head:shared")
+    body = np.arange(100, dtype="<u2").tobytes()
+    r = direct.post(f"/v1/runs/{run['id']}/shards/0/heldout?num_documents=1", content=body, headers=A)
+    assert r.status_code == 201, r.text
+    island = _island(direct, "held")
+    lease = island.lease()
+    assert lease is not None and lease.heldout is not None and lease.heldout.url is not None
+    assert lease.heldout.url.startswith("http://127.0.0.1")  # the bucket, not the coordinator
+    assert island.heldout_tokens(lease.heldout.shard_id, lease.heldout.tokens_hash, url=lease.heldout.url) == body
+    payload = encode_grad(_grads(direct, island, lease), "fp32")
+    contribution = island.upload_direct(lease, payload, tokens=1, train_loss=1.0, heldout_loss=3.5)
+    assert contribution.heldout_loss == 3.5
+    history = direct.get(f"/v1/runs/{run['id']}/history", headers=A).json()
+    assert history["data"][0]["losses"][0]["heldout_loss"] == 3.5

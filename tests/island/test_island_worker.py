@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict, defaultdict
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from rich.console import Console
@@ -36,6 +37,7 @@ from modules import (
     batches_from_tokens,
     build_path,
     decode,
+    heldout_loss,
     make_optimizer,
     outer_update,
     pseudo_gradient,
@@ -532,3 +534,25 @@ def test_int8_run_uploads_quantized_gradients_with_error_feedback(coordinator: C
     )
     # the residual is what the second upload lost: compensated gradient minus what was sent
     assert all(float(t.abs().max()) > 0 for t in residual.values())
+
+
+def test_the_island_scores_each_lease_s_start_weights_on_the_held_out_slice(coordinator: Coordinator) -> None:
+    """A run that keeps held-out slices: each lease carries its path's slice, the island scores the weights it was
+    given on the run's `heldout_tokens` of it before training, and the history records that loss per round."""
+    run = coordinator.create_run(layout=ONE_PATH, num_rounds=2, heldout_tokens=48)
+    body = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(3)).numpy().astype("<u2").tobytes()
+    r = coordinator.app.post(f"/v1/runs/{run['id']}/shards/0/heldout?num_documents=2", content=body, headers=A)
+    assert r.status_code == 201, r.text
+    island, transport = coordinator.island()
+    assert island.run() == EXIT_OK
+    leases = accepted(island, transport)
+    assert len(leases) == 2 and all(lease.heldout is not None and lease.heldout.score_tokens == 48 for lease in leases)
+    history = coordinator.get(f"/v1/runs/{run['id']}/history")["data"]
+    recorded = [rnd["losses"][0]["heldout_loss"] for rnd in history]
+    heldout = torch.from_numpy(np.frombuffer(body, dtype="<u2")[:48].astype("int64"))
+    for lease, got in zip(leases, recorded, strict=True):
+        cfg = ModelConfig.from_dict(lease.model)
+        start = build_path(cfg, [coordinator.weights(m.module_id, m.version) for m in lease.modules])
+        assert got == pytest.approx(heldout_loss(start, heldout, max_tokens=48), rel=1e-6)
+    assert recorded[0] != recorded[1]  # round 1 starts from the weights round 0's outer step wrote
+    assert [r.heldout_loss for r in island.results] == recorded

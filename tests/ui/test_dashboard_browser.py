@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from coordinator.client import CoordinatorClient, RequestRejected, RetryPolicy
@@ -115,6 +116,10 @@ def test_dashboard_during_a_live_run(browser: Any, tmp_path: Path) -> None:
         # there: it has an upload refused and holds the path until the page has shown round 0 waiting for it.
         with cluster.admin() as admin_http:
             run_id = create_run(admin_http, SPEC)
+            admin = CoordinatorClient(cluster.url, ADMIN, http=admin_http)
+            for p in range(4):  # held-out slices: the islands score each round's start weights on them
+                held = np.random.default_rng(10 + p).integers(32 + 10 * p, 48 + 10 * p, 200).astype("<u2")
+                admin.register_heldout(run_id, p, held.tobytes(), num_documents=1)
         prober = CoordinatorClient(cluster.url, JOIN, retry=RetryPolicy.once())
         prober.join("prober", site="test-bench", capabilities=IslandCapabilities(tokens_per_s=1234.0))
         lease = prober.lease()
@@ -164,9 +169,12 @@ def test_dashboard_during_a_live_run(browser: Any, tmp_path: Path) -> None:
         first = _chart(page)
         assert first == {"paths": 4, "rounds": 1, "points": 3}
         legend = page.eval_on_selector_all("#loss-chart .u-legend .u-series th", "ths => ths.map(t => t.innerText)")
-        assert [label.strip() for label in legend] == ["round", "path 0", "path 1", "path 2", "path 3"]
+        paths = [f"path {p}" for p in range(4)]
+        assert [label.strip() for label in legend] == ["round", *paths, *(f"{p} held-out" for p in paths)]
         axes = page.evaluate("() => JSON.parse(document.getElementById('loss-chart').dataset.axes)")
-        assert axes == ["round", "train loss (nats/token)"]  # drawn on the canvas (see the screenshots)
+        assert axes == ["round", "loss (nats/token)"]  # drawn on the canvas (see the screenshots)
+        held_out = int(page.evaluate("() => document.getElementById('loss-chart').dataset.heldoutPoints"))
+        assert held_out == 3 and page.is_visible("#heldout-note") and page.is_hidden("#perplexity-note")
         assert page.locator("#loss-chart canvas").count() == 1
         assert "3 / 4" in page.inner_text("#timeline tbody tr[data-round='0']")
         page.wait_for_function(

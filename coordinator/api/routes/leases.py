@@ -14,6 +14,7 @@ from coordinator.auth import require
 from coordinator.errors import Invalid
 from coordinator.schemas import (
     DB_INT_MAX,
+    H_HELDOUT_LOSS,
     H_ROUND,
     H_TOKENS,
     H_TRAIN_LOSS,
@@ -64,6 +65,7 @@ async def upload_outer_gradients(
     x_dipaco_round: str | None = Header(None),
     x_dipaco_tokens: str | None = Header(None),
     x_dipaco_train_loss: str | None = Header(None),
+    x_dipaco_heldout_loss: str | None = Header(None),
 ) -> ContributionPublic:
     """Body: safetensors, one F32 tensor per parameter of the path, named `<level>/<param>` (streamed)."""
     with state.metrics.counting_refused_uploads():
@@ -73,6 +75,7 @@ async def upload_outer_gradients(
         tokens = _parse_int(H_TOKENS, x_dipaco_tokens, required=True)
         assert tokens is not None  # required
         loss = _parse_float(H_TRAIN_LOSS, x_dipaco_train_loss)
+        heldout = None if x_dipaco_heldout_loss is None else _parse_float(H_HELDOUT_LOSS, x_dipaco_heldout_loss)
         body = await spool_body(request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir)
         state.metrics.bytes_in.labels(kind="outer_gradient").inc(body.size)
         upload = Upload(
@@ -81,6 +84,7 @@ async def upload_outer_gradients(
             round=round_header,
             tokens=tokens,
             train_loss=loss,
+            heldout_loss=heldout,
             body=body.path,
             body_sha256=body.sha256,
             size=body.size,

@@ -8,6 +8,7 @@ from coordinator.api.answers import V1_ERRORS, errors
 from coordinator.api.deps import Id, IdFilter, Limit, Offset, PrincipalDep, SessionDep, SessionRoute, StateDep
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
+from coordinator.models import Shard
 from coordinator.schemas import (
     DB_INT_MAX,
     H_CONTENT_HASH,
@@ -101,14 +102,61 @@ async def register_shard(
                 now=state.clock(),
                 wakeups=state.wakeups,
             )
-            return ShardPublic(
-                id=shard.id,
-                run_id=shard.run_id,
-                path_index=shard.path_index,
-                tokens_hash=shard.tokens_hash,
-                num_tokens=shard.num_tokens,
-                num_documents=shard.num_documents,
+            return _shard_public(shard)
+
+    try:
+        return await run_in_threadpool(_register)
+    finally:
+        body.unlink(missing_ok=True)
+
+
+def _shard_public(shard: Shard) -> ShardPublic:
+    return ShardPublic(
+        id=shard.id,
+        run_id=shard.run_id,
+        path_index=shard.path_index,
+        tokens_hash=shard.tokens_hash,
+        num_tokens=shard.num_tokens,
+        num_documents=shard.num_documents,
+        heldout_hash=shard.heldout_hash,
+        heldout_tokens=shard.heldout_tokens,
+        heldout_documents=shard.heldout_documents,
+    )
+
+
+@router.post(
+    "/runs/{run_id}/shards/{path_index}/heldout",
+    response_model=ShardPublic,
+    status_code=201,
+    responses=errors(403, 404, 409),
+)
+async def register_heldout(
+    run_id: Id,
+    path_index: Id,
+    request: Request,
+    state: StateDep,
+    principal: PrincipalDep,
+    num_documents: int = Query(ge=1, le=DB_INT_MAX),
+) -> ShardPublic:
+    """Body: the path's held-out slice as raw little-endian uint16 token ids (streamed), after its shard. Leases of
+    the path carry it from then on, and their islands report their start weights' loss on it (the run's
+    `heldout_tokens` of it) with each upload."""
+    require(principal, "admin")
+    spooled = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir)
+    body = spooled.path
+    state.metrics.bytes_in.labels(kind="shard").inc(spooled.size)
+
+    def _register() -> ShardPublic:
+        with state.sessions() as session:
+            shard = shards.register_heldout(
+                session,
+                state.blobs,
+                run_id=run_id,
+                path_index=path_index,
+                body=body,
+                num_documents=num_documents,
             )
+            return _shard_public(shard)
 
     try:
         return await run_in_threadpool(_register)
@@ -142,4 +190,30 @@ def shard_tokens(
             H_CONTENT_HASH: shard.tokens_hash,
             "Content-Length": str(shard.num_tokens * 2),
         },
+    )
+
+
+@router.get(
+    "/shards/{shard_id}/heldout",
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        304: {"description": "Not modified (If-None-Match)"},
+        **errors(403, 404),
+    },
+)
+def heldout_tokens(
+    shard_id: Id, request: Request, session: SessionDep, state: StateDep, principal: PrincipalDep
+) -> Response:
+    """A path's held-out slice (raw little-endian uint16 tokens), streamed; for the admin and the islands of its
+    run."""
+    tokens_hash, num_tokens = shards.get_heldout(session, shard_id, reader=principal)
+    etag = f'"{tokens_hash}"'
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"ETag": etag})
+    state.metrics.bytes_out.labels(kind="shard").inc(num_tokens * 2)
+    session.rollback()  # the read is done: no database connection held while the slice streams
+    return StreamingResponse(
+        state.blobs.iter_verified(tokens_hash),
+        media_type="application/octet-stream",
+        headers={"ETag": etag, H_CONTENT_HASH: tokens_hash, "Content-Length": str(num_tokens * 2)},
     )

@@ -294,15 +294,28 @@
     );
   }
 
+  // [rounds, train loss of path 0..n-1, held-out loss of path 0..n-1 (null where not scored)]
   function chartData(rounds, numPaths) {
     const withLoss = rounds.filter((r) => r.losses.length);
     const xs = withLoss.map((r) => r.number);
     const ys = [];
-    for (let p = 0; p < numPaths; p++) ys.push(withLoss.map(() => null));
+    const held = [];
+    for (let p = 0; p < numPaths; p++) {
+      ys.push(withLoss.map(() => null));
+      held.push(withLoss.map(() => null));
+    }
     withLoss.forEach((r, i) => {
-      for (const l of r.losses) if (l.path_index < numPaths) ys[l.path_index][i] = l.train_loss;
+      for (const l of r.losses) {
+        if (l.path_index >= numPaths) continue;
+        ys[l.path_index][i] = l.train_loss;
+        if (l.heldout_loss !== null && l.heldout_loss !== undefined) held[l.path_index][i] = l.heldout_loss;
+      }
     });
-    return [xs, ...ys];
+    return [xs, ...ys, ...held];
+  }
+
+  function countPoints(series) {
+    return series.reduce((n, ys) => n + ys.filter((y) => y !== null).length, 0);
   }
 
   function chartSize() {
@@ -336,6 +349,18 @@
           value: (u, v) => (v === null || v === undefined ? "–" : v.toFixed(3)),
         });
       }
+      for (let p = 0; p < numPaths; p++) {
+        const colour = COLOURS[p % COLOURS.length];
+        series.push({
+          label: `path ${p} held-out`,
+          stroke: colour,
+          width: 1.5,
+          dash: [6, 4],
+          spanGaps: true,
+          points: { show: true, size: 5, fill: "#fff" },
+          value: (u, v) => (v === null || v === undefined ? "–" : `${v.toFixed(3)} (ppl ${Math.exp(v).toFixed(1)})`),
+        });
+      }
       const options = {
         ...chartSize(),
         series: series,
@@ -347,7 +372,7 @@
             incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000], // whole rounds only
             values: (u, v) => v.map(String),
           },
-          { label: "train loss (nats/token)", labelSize: 24, size: 60, values: (u, v) => v.map((x) => x.toFixed(2)) },
+          { label: "loss (nats/token)", labelSize: 24, size: 60, values: (u, v) => v.map((x) => x.toFixed(2)) },
         ],
         legend: { show: true, live: true },
         cursor: { drag: { x: true, y: false } },
@@ -360,7 +385,11 @@
     }
     box.dataset.paths = String(numPaths);
     box.dataset.rounds = String(data[0].length);
-    box.dataset.points = String(data.slice(1).reduce((n, ys) => n + ys.filter((y) => y !== null).length, 0));
+    box.dataset.points = String(countPoints(data.slice(1, 1 + numPaths)));
+    const heldPoints = countPoints(data.slice(1 + numPaths));
+    box.dataset.heldoutPoints = String(heldPoints);
+    $("perplexity-note").hidden = heldPoints > 0;
+    $("heldout-note").hidden = heldPoints === 0;
   }
 
   function drawModules(modules) {
