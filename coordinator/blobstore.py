@@ -233,17 +233,6 @@ class S3BlobStore:
             )
         )
 
-    def staged_size(self, key: str) -> int | None:
-        """Size of the staged upload, None when nothing was PUT there."""
-        from botocore.exceptions import ClientError
-
-        try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise BlobError(f"s3://{self.bucket}/{key}: {exc}") from exc
-
     def staged_head(self, key: str, length: int) -> tuple[int, bytes] | None:
         """The staged upload's size and its first `length` bytes (fewer when it is shorter), in one ranged GET;
         None when nothing was PUT there."""
