@@ -33,7 +33,7 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_async.py [--quick] [--budget-s 180] [--inner-steps 30]
         [--min-inner-steps 10] [--max-inner-steps 60] [--batch-size 16] [--points 6] [--eval-docs 200] [--seed 0]
-        [--slow-factor 3] [--parts 1,2,3] [--modes round,async,hybrid] [--damping inverse|none]
+        [--slow-factor 3] [--parts 1,2,3] [--modes round,async,hybrid] [--damping inverse|inverse_square|none]
         [--max-staleness S] [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
 
 The defaults take ~15-20 minutes on 2 cores, `--quick` (20 s per mode, H 10) ~3.5 minutes: a smoke test whose
@@ -114,7 +114,7 @@ class Config:
     modes: tuple[str, ...] = MODES
     """Modes to run, round first (the others are judged against it)."""
     damping: str = "inverse"
-    """The async levels' `staleness_damping` (1/(1+s), or none)."""
+    """The async levels' `staleness_damping` (1/(1+s), 1/(1+s)^2, or none)."""
     max_staleness: int | None = None
     """The run's `max_staleness` for async levels (None: the run default)."""
 
@@ -536,7 +536,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated modes; round must be one (the baseline)"
     )
-    parser.add_argument("--damping", choices=("inverse", "none"), default="inverse", help="async staleness damping")
+    parser.add_argument(
+        "--damping", choices=("inverse", "inverse_square", "none"), default="inverse", help="async staleness damping"
+    )
     parser.add_argument("--max-staleness", type=int, default=None, help="async levels (default: the run default)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")

@@ -179,9 +179,10 @@ class RunCreate(BaseModel):
         le=1_000_000,
         description="Async levels: a contribution trained from a module more than this many steps old is refused (409)",
     )
-    staleness_damping: Literal["inverse", "none"] = Field(
+    staleness_damping: Literal["inverse", "inverse_square", "none"] = Field(
         default="inverse",
-        description="Async levels: factor of a contribution of staleness s in its module's step: 1/(1+s), or 1",
+        description="Async levels: factor of a contribution of staleness s in its module's step: 1/(1+s) "
+        "(inverse), 1/(1+s)^2 (inverse_square), or 1 (none)",
     )
     dn_period: int | None = Field(
         default=None,

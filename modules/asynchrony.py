@@ -19,7 +19,8 @@ Versions and staleness
     is known when the contribution is accepted (steps of a module apply in period order).
 Damping
     A contribution with s > `max_staleness` is refused; the others enter the fold with their outlier factor
-    times `staleness_weight(s)`: 1 / (1 + s) by default (`inverse`), or 1 (`none`). The factor scales the
+    times `staleness_weight(s)`: 1 / (1 + s) by default (`inverse`), 1 / (1 + s)^2 (`inverse_square`), or 1
+    (`none`). The factor scales the
     contribution but not the weight total it is divided by, so a stale contribution moves the module less.
 End of the run
     When no more contributions will come (every path spent its budget, or the last round closed), each module
@@ -59,16 +60,19 @@ from modules.sparse_rows import check_sparse_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 Tensors = dict[str, torch.Tensor]
-Damping = Literal["inverse", "none"]
-DAMPINGS: tuple[Damping, ...] = ("inverse", "none")
+Damping = Literal["inverse", "inverse_square", "none"]
+DAMPINGS: tuple[Damping, ...] = ("inverse", "inverse_square", "none")
 
 
 def staleness_weight(staleness: int, damping: Damping = "inverse") -> float:
-    """The factor a contribution of staleness `staleness` enters its module's fold with: 1/(1+s), or 1."""
+    """The factor a contribution of staleness `staleness` enters its module's fold with: 1/(1+s), 1/(1+s)^2, or
+    1."""
     if staleness < 0:
         raise ValueError(f"staleness must be >= 0, got {staleness}")
     if damping == "inverse":
         return 1.0 / (1 + staleness)
+    if damping == "inverse_square":
+        return 1.0 / (1 + staleness) ** 2
     if damping == "none":
         return 1.0
     raise ValueError(f"unknown staleness damping {damping!r}; use one of {', '.join(DAMPINGS)}")

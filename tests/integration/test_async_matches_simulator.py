@@ -18,7 +18,7 @@ import torch
 
 from island.faults import STALL_ENV
 from modules import InnerConfig, ModelConfig, OuterConfig, decode, parse_layout
-from modules.asynchrony import AsyncSettings, Lease, Upload, simulate_async
+from modules.asynchrony import AsyncSettings, Damping, Lease, Upload, simulate_async
 from tests.integration.conftest import Cluster, create_run, wait_finished, wait_islands_joined
 
 pytestmark = pytest.mark.integration
@@ -42,12 +42,15 @@ def database_url(tmp_path: Any) -> str:
     return f"sqlite:///{tmp_path / 'registry.db'}"
 
 
-@pytest.mark.parametrize("sparse_rows", [False, True], ids=["dense", "sparse-rows"])
+@pytest.mark.parametrize(
+    ("sparse_rows", "damping"), [(False, "inverse"), (True, "inverse_square")], ids=["dense", "sparse-rows"]
+)
 def test_async_service_equals_the_replayed_reference(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, sparse_rows: bool
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, sparse_rows: bool, damping: Damping
 ) -> None:
     """With `sparse_rows`, each path's embedding travels as the rows of its own alphabet and the async apply
-    averages each row over the contributions of its period that touched it (the reference does the same)."""
+    averages each row over the contributions of its period that touched it (the reference does the same); that
+    case also damps stale contributions by 1/(1+s)^2 instead of 1/(1+s)."""
     cluster.start_coordinator()
     with cluster.admin() as client:
         islands = [cluster.start_island("island-0")]
@@ -55,7 +58,7 @@ def test_async_service_equals_the_replayed_reference(
             env.setenv(STALL_ENV, "*:2:1.0")
             islands.append(cluster.start_island("island-1"))
         wait_islands_joined(client, 2)
-        run_id = create_run(client, {**SPEC, "sparse_rows": sparse_rows}, num_tokens=600)
+        run_id = create_run(client, {**SPEC, "sparse_rows": sparse_rows, "staleness_damping": damping}, num_tokens=600)
         run = wait_finished(cluster, client, run_id)
         paths = client.get("/v1/paths", params={"run_id": run_id}).json()["data"]
         tokens = [
@@ -94,7 +97,7 @@ def test_async_service_equals_the_replayed_reference(
         parse_layout(SPEC["layout"], n_layers=cfg.n_layers),
         InnerConfig(**run["config"]["inner"]),
         OuterConfig(**run["config"]["outer"]),
-        AsyncSettings(sync="async", max_staleness=16, dn_period=2),
+        AsyncSettings(sync="async", max_staleness=16, dn_period=2, damping=damping),
         events=events,
         budget_steps=3 * 4,
         seed=0,

@@ -35,6 +35,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_staleness_weight_and_period() -> None:
     assert [staleness_weight(s) for s in (0, 1, 3)] == [1.0, 0.5, 0.25]
+    assert [staleness_weight(s, "inverse_square") for s in (0, 1, 3)] == [1.0, 0.25, 0.0625]
     assert staleness_weight(7, "none") == 1.0
     with pytest.raises(ValueError, match="staleness must be >= 0"):
         staleness_weight(-1)
