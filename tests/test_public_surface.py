@@ -48,6 +48,7 @@ def test_http_routes(tmp_path: Path) -> None:
         ("GET", "/v1/runs/{run_id}"),
         ("GET", "/v1/runs/{run_id}/history"),
         ("GET", "/v1/runs/{run_id}/rounds"),
+        ("GET", "/v1/shards/{shard_id}/heldout"),
         ("GET", "/v1/shards/{shard_id}/tokens"),
         ("POST", "/v1/islands"),
         ("POST", "/v1/islands/{island_id}/heartbeat"),
@@ -58,6 +59,7 @@ def test_http_routes(tmp_path: Path) -> None:
         ("POST", "/v1/leases/{lease_id}/upload-url"),
         ("POST", "/v1/runs"),
         ("POST", "/v1/runs/{run_id}/shards/{path_index}"),
+        ("POST", "/v1/runs/{run_id}/shards/{path_index}/heldout"),
     ]
 
 

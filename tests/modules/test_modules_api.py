@@ -22,6 +22,7 @@ PUBLIC = {
     "accumulate",
     "alpha_weights",
     "batches_from_tokens",
+    "heldout_loss",
     "build_path",
     "compose_state",
     "contribution_weight",
