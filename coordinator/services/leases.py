@@ -21,7 +21,6 @@ there), and only when a path is free, the run row locked and the choice made aga
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -167,12 +166,8 @@ def open_rounds(session: Session) -> list[OpenRound]:
     ]
 
 
-def _free_path_query(
-    rnd: OpenRound, island_id: int, *, now: datetime, affinity: Affinity, full: Sequence[int] = ()
-) -> Select[Path]:
-    """Paths of the round that are free for this island: its warm path first, then by index. In the reservation
-    window a path is kept for its last island when that island is live, unless it is in `full` (it holds as many
-    leases as it may: it could not take the path before one of them ends, and this island asks now)."""
+def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity: Affinity) -> Select[Path]:
+    """Paths of the round that are free for this island: its warm path first, then by index."""
     busy = select(Lease.path_id).where(
         Lease.run_id == rnd.run_id,
         Lease.round == rnd.number,
@@ -184,8 +179,6 @@ def _free_path_query(
     opened = rnd.opened_at
     if affinity.reserve_s > 0 and opened is not None and now < opened + timedelta(seconds=affinity.reserve_s):
         others = _live_islands(island_id, now, affinity)
-        if full:
-            others = others.where(Island.id.not_in(list(full)))
         query = query.where(or_(Path.last_island_id.is_(None), Path.last_island_id.not_in(others)))
     warm_first = case((Path.last_island_id == island_id, 0), else_=1)
     return query.order_by(warm_first, Path.index).limit(1)
@@ -270,8 +263,7 @@ def acquire_lease(
             continue
         if not rnd.open:
             continue  # closing: its paths are done, the next round opens once the executors apply it
-        full = _full_islands(session, rnd, now=now, affinity=affinity, max_leases=max_leases)
-        probe = _free_path_query(rnd, island_id, now=now, affinity=affinity, full=full).with_only_columns(Path.id)
+        probe = _free_path_query(rnd, island_id, now=now, affinity=affinity).with_only_columns(Path.id)
         if session.scalar(probe) is None:
             continue
         run = session.scalar(
@@ -281,7 +273,7 @@ def acquire_lease(
             session.rollback()
             continue
         expired = expire_stale_leases(session, now=now, run_id=run.id)
-        path = session.scalar(_free_path_query(rnd, island_id, now=now, affinity=affinity, full=full))
+        path = session.scalar(_free_path_query(rnd, island_id, now=now, affinity=affinity))
         if path is None:
             session.rollback()
             continue
@@ -387,42 +379,11 @@ def _closing(session: Session, rnd: OpenRound) -> bool:
     return status != RoundStatus.OPEN
 
 
-def _capacity(capabilities: dict[str, Any], max_leases: int) -> int:
-    """How many leases an island may hold at once: what its capabilities claim (1 by default), at most the
-    coordinator's `max_leases`."""
-    claimed = capabilities.get("max_leases", 1)
-    return max(1, min(max_leases, claimed if isinstance(claimed, int) else 1))
-
-
-def _full_islands(session: Session, rnd: OpenRound, *, now: datetime, affinity: Affinity, max_leases: int) -> list[int]:
-    """Islands that hold as many leases as they may, while the round's reservation window is open (none outside
-    it: nothing is reserved then). A path is not kept for one of them: with one lease each (the default), an island
-    that trained two paths last round takes up its offer for one, and its other path would otherwise wait the whole
-    window, however idle the island asking for it (a slow island never got a lease while fast ones finished each
-    round within the window: docs/LOG.md 2026-12-02)."""
-    opened = rnd.opened_at
-    if affinity.reserve_s <= 0 or opened is None or now >= opened + timedelta(seconds=affinity.reserve_s):
-        return []
-    held = session.execute(
-        select(Lease.island_id, func.count())
-        .where(Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now)
-        .group_by(Lease.island_id)
-    ).all()
-    if not held:
-        return []
-    capabilities: dict[int, dict[str, Any]] = {
-        island_id: caps
-        for island_id, caps in session.execute(
-            select(Island.id, Island.capabilities).where(Island.id.in_([i for i, _ in held]))
-        )
-    }
-    return [i for i, n in held if n >= _capacity(capabilities.get(i) or {}, max_leases)]
-
-
 def _check_capacity(session: Session, island_id: int, *, now: datetime, max_leases: int) -> None:
     """Refuse (409, after a rollback) a lease to an island that already holds as many as it may."""
     island = session.get_one(Island, island_id)
-    allowed = _capacity(island.capabilities, max_leases)
+    claimed = island.capabilities.get("max_leases", 1)
+    allowed = max(1, min(max_leases, claimed if isinstance(claimed, int) else 1))
     held = session.scalars(
         select(Lease.id)
         .where(Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now)

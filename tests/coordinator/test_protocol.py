@@ -488,27 +488,3 @@ def test_replies_carry_the_coordinators_own_time_without_the_hold(client: TestCl
     timings = idle.headers.get_list("Server-Timing")
     assert len(timings) == 1  # the route's own (hold excluded); the middleware leaves it alone
     assert float(timings[0].partition("dur=")[2]) < 450
-
-
-def test_a_path_is_not_kept_for_an_island_busy_with_another(client: TestClient, clock: FakeClock) -> None:
-    """One lease per island (the default): an island that trained two paths takes up its offer for one; its other
-    path is not kept for it while it trains, so an island that trained nothing yet gets work in the reservation
-    window (before, it waited while fast islands finished every round inside the window: a slow island starved)."""
-    run = create_running_run(client)
-    fast = [join(client, f"fast-{i}") for i in range(3)]
-    trained: dict[int, int] = {}
-    for island_id, h in [*fast, fast[0]]:  # fast-0 trains two paths of round 0
-        lb = lease(client, island_id, h)
-        assert lb is not None
-        trained[lb["path_index"]] = island_id
-        upload(client, lb, h, train_lease(client, lb, h))
-    assert sorted(trained.values()).count(fast[0][0]) == 2
-    wait_applied(client, run["id"])
-    slow_id, slow_h = join(client, "slow")  # live, trained nothing: every path of round 1 was someone's
-    got = lease(client, slow_id, slow_h)
-    assert got is not None and got["round"] == 1
-    assert trained[got["path_index"]] == fast[0][0]  # fast-0's second path: fast-0 holds its offer for the first
-    # the fast islands still get their own paths (their offers)
-    for island_id, h in fast:
-        own = lease(client, island_id, h)
-        assert own is not None and trained[own["path_index"]] == island_id
