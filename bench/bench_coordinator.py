@@ -394,12 +394,17 @@ def _s3_session(mb: float, n: int, mode: str, endpoint: str, tmp: Path) -> dict[
             lease = island.lease()
             assert lease is not None, island.idle
             leases.append((island, lease, lease_grads(lease)))  # all payloads built before the clock
-        warm_island, warm_lease, warm_payload = leases.pop(0)  # first calls (boto3, SQL compilation) not counted
-        if mode == "direct":
-            warm_island.upload_direct(warm_lease, warm_payload, tokens=1, train_loss=1.0)
-        else:
-            warm_island.upload(warm_lease, warm_payload, tokens=1, train_loss=1.0)
-        warm_island.close()
+
+        def send(island: CoordinatorClient, lease: LeasePublic, payload: bytes) -> None:
+            if mode == "direct":
+                assert lease.direct_upload, "an s3:// coordinator should offer direct uploads"
+                island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
+            else:
+                island.upload(lease, payload, tokens=1, train_loss=1.0)
+
+        warm = leases.pop(0)
+        send(*warm)  # a warm-up: first calls (boto3, SQL compilation) not counted
+        warm[0].close()
         rss_start = proc_status_kb(proc.pid, "VmRSS")
         # creating the run initialised a whole path in the coordinator: peak RSS from here on is the uploads'
         Path(f"/proc/{proc.pid}/clear_refs").write_text("5")
@@ -411,11 +416,7 @@ def _s3_session(mb: float, n: int, mode: str, endpoint: str, tmp: Path) -> dict[
         total0, total_t = process_cpu_s(proc.pid), time.perf_counter()
         for island, lease, payload in leases:
             cpu0, t0 = process_cpu_s(proc.pid), time.perf_counter()
-            if mode == "direct":
-                assert lease.direct_upload, "an s3:// coordinator should offer direct uploads"
-                island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
-            else:
-                island.upload(lease, payload, tokens=1, train_loss=1.0)
+            send(island, lease, payload)
             wall = time.perf_counter() - t0
             cpu = process_cpu_s(proc.pid) - cpu0 - idle_rate * wall
             rows.append({"payload_mb": round(len(payload) / 1e6, 1), "cpu_s": round(cpu, 4), "wall_s": round(wall, 3)})

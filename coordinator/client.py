@@ -169,35 +169,39 @@ class CoordinatorClient(Session):
     def register_shard(self, run_id: int, path_index: int, tokens: bytes | Path, *, num_documents: int) -> ShardPublic:
         """Attach a path's shard to a run (admin): raw little-endian uint16 token ids, from memory or a file
         (streamed from disk)."""
-        what = f"shard {path_index} of run {run_id}"
-        url = f"/v1/runs/{run_id}/shards/{path_index}"
-        response = self.send(url, tokens, what=what, params={"num_documents": num_documents})
-        return self.parse(ShardPublic, self.check(response, what=what, ok=(200, 201)), what=what)
+        return self._send_tokens(
+            f"/v1/runs/{run_id}/shards/{path_index}", tokens, num_documents, f"shard {path_index} of run {run_id}"
+        )
 
     def shard_tokens(self, shard_id: int, expected_hash: str | None = None, *, url: str | None = None) -> bytes:
         """The whole shard token file (little-endian uint16), verified against `expected_hash` (None: the hash
         the coordinator sends with it). `url`: a pre-signed URL from a lease, fetched from the bucket directly."""
-        what = f"tokens of shard {shard_id}"
-        if url is not None and expected_hash is not None:
-            return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
-        return self.download(f"/v1/shards/{shard_id}/tokens", what=what, expected_hash=expected_hash)
+        return self._tokens(f"/v1/shards/{shard_id}/tokens", f"tokens of shard {shard_id}", expected_hash, url)
 
     def register_heldout(
         self, run_id: int, path_index: int, tokens: bytes | Path, *, num_documents: int
     ) -> ShardPublic:
         """Attach a path's held-out slice to a run (admin), after its shard: raw little-endian uint16 token ids,
         from memory or a file (streamed from disk)."""
-        what = f"held-out slice {path_index} of run {run_id}"
-        url = f"/v1/runs/{run_id}/shards/{path_index}/heldout"
-        response = self.send(url, tokens, what=what, params={"num_documents": num_documents})
-        return self.parse(ShardPublic, self.check(response, what=what, ok=(200, 201)), what=what)
+        return self._send_tokens(
+            f"/v1/runs/{run_id}/shards/{path_index}/heldout",
+            tokens,
+            num_documents,
+            f"held-out slice {path_index} of run {run_id}",
+        )
 
     def heldout_tokens(self, shard_id: int, expected_hash: str | None = None, *, url: str | None = None) -> bytes:
         """A shard's held-out slice (little-endian uint16), verified like `shard_tokens`."""
-        what = f"held-out slice of shard {shard_id}"
-        if url is not None and expected_hash is not None:
+        return self._tokens(f"/v1/shards/{shard_id}/heldout", f"held-out slice of shard {shard_id}", expected_hash, url)
+
+    def _send_tokens(self, path: str, tokens: bytes | Path, num_documents: int, what: str) -> ShardPublic:
+        response = self.send(path, tokens, what=what, params={"num_documents": num_documents})
+        return self.parse(ShardPublic, self.check(response, what=what, ok=(200, 201)), what=what)
+
+    def _tokens(self, path: str, what: str, expected_hash: str | None, url: str | None) -> bytes:
+        if url is not None and expected_hash is not None:  # a pre-signed URL from a lease: from the bucket
             return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
-        return self.download(f"/v1/shards/{shard_id}/heldout", what=what, expected_hash=expected_hash)
+        return self.download(path, what=what, expected_hash=expected_hash)
 
     # -- modules and paths -------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ them (its `heldout_tokens` > 0): the islands then report each round's held-out l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
@@ -50,17 +50,17 @@ class RegistrationError(RuntimeError):
 
 
 def register_shards(
-    shards_dir: Path, *, client: CoordinatorClient, run_id: int, heldout: bool = True
+    shards_dir: Path, *, client: CoordinatorClient, run_id: int, manifest: dict[str, Any] | None = None
 ) -> list[ShardPublic]:
     """Upload every shard of `shards_dir` to run `run_id` (admin client), each followed by its held-out slice when
-    the manifest has one, `heldout` is on and the run keeps them (`heldout_tokens` > 0); returns the
-    coordinator's records (the last one of each path).
+    the manifest has one and the run keeps them (`heldout_tokens` > 0); returns the coordinator's records (the
+    last one of each path).
 
-    The files are verified against the manifest first and streamed from disk; what the coordinator stored is
-    checked against the manifest's sha256."""
-    manifest = load_manifest(shards_dir)
+    The files are verified against the manifest first (`load_manifest`, unless the caller passes the manifest it
+    loaded) and streamed from disk; what the coordinator stored is checked against the manifest's sha256."""
+    manifest = load_manifest(shards_dir) if manifest is None else manifest
     run = client.run(run_id)
-    keeps = heldout and bool(run.config.get("heldout_tokens", 0))
+    keeps = bool(run.config.get("heldout_tokens", 0))
     window = run.config["model"]["seq_len"] + 1  # a slice shorter than one scoring window is not sent
     registered: list[ShardPublic] = []
     for shard in manifest["shards"]:
@@ -100,7 +100,8 @@ def register_command(
         user_errors(out, ShardError, RegistrationError, ClientError),
         connect(ctx, coordinator, token, ca_file) as client,
     ):
-        records = register_shards(shards, client=client, run_id=run)
+        manifest = load_manifest(shards)  # hashes every file: once
+        records = register_shards(shards, client=client, run_id=run, manifest=manifest)
         state = client.run(run)
     table = Table(title=f"shards of run {run}")
     for column in ("path", "shard id", "tokens", "documents"):
@@ -109,7 +110,7 @@ def register_command(
         table.add_row(str(r.path_index), str(r.id), f"{r.num_tokens:,}", str(r.num_documents))
     out.print(table)
     out.print(run_state(state), highlight=False)
-    note = heldout_note(load_manifest(shards), shards, records, state)
+    note = heldout_note(manifest, shards, records, state)
     if note:
         out.print(note, highlight=False)
 

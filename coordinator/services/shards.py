@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from coordinator.auth import Principal
 from coordinator.blobstore import BlobStore
 from coordinator.errors import Conflict, Invalid, NotFound
-from coordinator.models import Shard
+from coordinator.models import Run, Shard
 from coordinator.services.registry import require_run_data
 from coordinator.services.rounds import open_round
 from coordinator.services.runs import get_run, tokens_per_lease
@@ -40,13 +40,7 @@ def register_shard(
         raise NotFound(f"path {path_index} does not exist: run {run_id} has paths 0..{run.num_paths - 1}")
     if num_documents < 1:
         raise Invalid(f"num_documents must be >= 1, got {num_documents}")
-    size = body.stat().st_size
-    if size % 2:
-        raise Invalid(f"shard body has {size} bytes; a token file holds 2-byte (uint16) tokens")
-    tokens = np.memmap(body, dtype="<u2", mode="r") if size else np.zeros(0, dtype="<u2")
-    vocab = run.config["model"]["vocab_size"]
-    if size and int(tokens.max()) >= vocab:
-        raise Invalid(f"shard holds token id {int(tokens.max())}, the model's vocabulary is {vocab}")
+    tokens = _token_file(body, run, what="shard")
     need = tokens_per_lease(run)
     if tokens.size < need:
         raise Invalid(
@@ -93,19 +87,13 @@ def register_heldout(
         raise Conflict(f"path {path_index} of run {run_id} has no shard yet: register its shard first")
     if num_documents < 1:
         raise Invalid(f"num_documents must be >= 1, got {num_documents}")
-    size = body.stat().st_size
-    if size % 2:
-        raise Invalid(f"held-out body has {size} bytes; a token file holds 2-byte (uint16) tokens")
+    tokens = _token_file(body, run, what="held-out slice")
     seq_len = run.config["model"]["seq_len"]
-    if size // 2 < seq_len + 1:
+    if tokens.size < seq_len + 1:
         raise Invalid(
-            f"held-out slice for path {path_index} has {size // 2} tokens; scoring needs at least one window "
+            f"held-out slice for path {path_index} has {tokens.size} tokens; scoring needs at least one window "
             f"of seq_len + 1 = {seq_len + 1}"
         )
-    tokens = np.memmap(body, dtype="<u2", mode="r")
-    vocab = run.config["model"]["vocab_size"]
-    if int(tokens.max()) >= vocab:
-        raise Invalid(f"held-out slice holds token id {int(tokens.max())}, the model's vocabulary is {vocab}")
     with body.open("rb") as f:
         digest, _ = blobs.put_stream(f)
     shard.heldout_hash = digest
@@ -113,6 +101,20 @@ def register_heldout(
     shard.heldout_documents = num_documents
     session.commit()
     return shard
+
+
+def _token_file(body: FilePath, run: Run, *, what: str) -> np.ndarray:
+    """The body as uint16 tokens (memory-mapped), refused (422) unless whole tokens under the model's vocabulary."""
+    size = body.stat().st_size
+    if size % 2:
+        raise Invalid(f"{what} body has {size} bytes; a token file holds 2-byte (uint16) tokens")
+    if not size:
+        return np.zeros(0, dtype="<u2")
+    tokens = np.memmap(body, dtype="<u2", mode="r")
+    vocab = run.config["model"]["vocab_size"]
+    if int(tokens.max()) >= vocab:
+        raise Invalid(f"{what} holds token id {int(tokens.max())}, the model's vocabulary is {vocab}")
+    return tokens
 
 
 def get_heldout(session: Session, shard_id: int, *, reader: Principal) -> tuple[str, int]:
