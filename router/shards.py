@@ -11,10 +11,13 @@ next; one crawl after another): written in that order, every round of a path, an
 shard, sees one block of the corpus and forgets the one before. So by default (`shuffle=True`) every file (each
 path's training shard and held-out slice) is written in a seeded random order of its documents: any prefix of
 a shard is then a fair sample of it, whatever the input order. The order is a sort of the documents by a key,
-`blake2b(seed, document index)` (`document_keys`): deterministic for a seed on every machine, recorded in the
-manifest (`"order"`), and computed from the document count alone, so it costs 8 bytes per document and no text
-is held. Pass 2 still streams the train split once, in corpus order, and writes each document's tokens at its
-precomputed offset in its file (`os.pwrite`); the files are hashed by reading them back. `shuffle=False` keeps
+`blake2b(seed, document text)` (`document_key`), computed while pass 1 reads each text: deterministic for a seed
+on every machine, recorded in the manifest (`"order"`), 8 bytes per document and no text held. Because the key
+is the text's, not its position, the same documents given in any order are written in the same order: a corpus
+delivered one language after another and the same corpus shuffled give byte-identical shards when their
+routing agrees (always for one path). Pass 2 still streams the train split once, in corpus order, and writes
+each document's tokens at its precomputed offset in its file (`os.pwrite`); the files are hashed by reading them
+back. `shuffle=False` keeps
 corpus order (the format before shuffling existed).
 
 Options (`ShardOptions`; all off by default and, off, the output is exactly the above): a held-out slice per
@@ -57,8 +60,9 @@ log = logging.getLogger(__name__)
 SHARDS_FORMAT = 1
 ROUTER_DIR = "router"
 TOKENIZERS = ("byte", "bpe")
-ORDER_KEY = "blake2b-64(dipaco-shard-order/{seed}/{document index})"
-"""How a shuffled shard orders its documents (`document_keys`), as the manifest records it."""
+ORDER_KEY = "blake2b-64(dipaco-shard-order/{seed}/{document text, UTF-8})"
+"""How a shuffled shard orders its documents (`document_key`), as the manifest records it. Shards written with
+the earlier key (by document index) still load; their manifest names that key."""
 BPE_BATCH_DOCS = 256
 """Documents per `encode_batch` call of the BPE tokenizer (bounded memory, parallel encoding)."""
 
@@ -170,12 +174,12 @@ def shard_corpus(
     corpus_manifest = _corpus_manifest(corpus_dir)
     train = corpus_dir / TRAIN_FILE
     tok = tokenizer if tokenizer is not None else _tokenizer(train, options)
-    scan = _scan(train, tok, prefix_tokens=options.prefix_tokens)
+    scan = _scan(train, tok, prefix_tokens=options.prefix_tokens, seed=options.seed)
     fitted = _fit(scan.prefix_texts, options, router=router, featurizer=featurizer)
     scores = _score(fitted.router, scan.prefix_texts, batch_docs=options.batch_docs)
     assignment = _assign(fitted, scores, scan.sizes, options)
     del scores  # (N, K) floats that pass 2 does not need
-    rank = document_order(len(scan.sizes), seed=options.seed, shuffle=options.shuffle)
+    rank = document_order(scan.keys, shuffle=options.shuffle)
     split = _hold_out(assignment, scan.sizes, rank, options)
 
     # Every check has passed. Complete-or-absent: the old manifest goes first, the new one comes last.
@@ -218,6 +222,8 @@ class _Scan:
     sizes: np.ndarray
     """(N,) int64 shard tokens of each document, EOS included."""
     domains: list[str]
+    keys: np.ndarray
+    """(N,) uint64 order key of each document (`document_key`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,17 +285,24 @@ def _tokenizer(train: Path, options: ShardOptions) -> ByteTokenizer | BPETokeniz
         raise ShardError(str(exc)) from exc
 
 
-def _scan(train: Path, tok: ByteTokenizer | BPETokenizer, *, prefix_tokens: int) -> _Scan:
-    """Pass 1: the prefix text, token count (+ EOS) and domain of every document."""
+def _scan(train: Path, tok: ByteTokenizer | BPETokenizer, *, prefix_tokens: int, seed: int) -> _Scan:
+    """Pass 1: the prefix text, token count (+ EOS), domain and order key of every document."""
     byte_tok = ByteTokenizer()
     prefix_texts: list[str] = []
     sizes: list[int] = []
     domains: list[str] = []
+    keys: list[int] = []
     for doc, tokens in _iter_tokens(train, tok, sizes_only=True):
         prefix_texts.append(byte_tok.prefix_text(doc["text"], prefix_tokens))
         sizes.append(len(tokens))
         domains.append(str(doc.get("domain", "")))
-    return _Scan(prefix_texts=prefix_texts, sizes=np.asarray(sizes, dtype=np.int64), domains=domains)
+        keys.append(document_key(doc["text"], seed=seed))
+    return _Scan(
+        prefix_texts=prefix_texts,
+        sizes=np.asarray(sizes, dtype=np.int64),
+        domains=domains,
+        keys=np.asarray(keys, dtype=np.uint64),
+    )
 
 
 def _fit(
@@ -370,23 +383,23 @@ def _assign(fitted: _Fitted, scores: np.ndarray, sizes: np.ndarray, options: Sha
     return _Assignment(labels=labels, unbalanced=unbalanced, second=second, shares=shares, satisfied=satisfied)
 
 
-def document_keys(n: int, *, seed: int) -> np.ndarray:
-    """(n,) uint64 sort keys of documents 0..n-1: the first 8 bytes of blake2b(seed, index), little-endian. The
-    same for a seed on every machine and version (unlike a library RNG stream), and independent of the texts."""
-    keys = np.empty(n, dtype=np.uint64)
+def document_key(text: str, *, seed: int) -> int:
+    """A document's sort key in a shuffled shard: the first 8 bytes of blake2b(seed, its UTF-8 text),
+    little-endian. The same for a seed on every machine and version (unlike a library RNG stream), and a function
+    of the text alone, so the order does not depend on where the document sat in the corpus."""
     salt = f"dipaco-shard-order/{seed}/".encode()
-    for i in range(n):
-        keys[i] = int.from_bytes(hashlib.blake2b(salt + str(i).encode(), digest_size=8).digest(), "little")
-    return keys
+    return int.from_bytes(hashlib.blake2b(salt + text.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-def document_order(n: int, *, seed: int, shuffle: bool) -> np.ndarray:
-    """(n,) int64 rank of each document in the order shards are written: sorted by `document_keys` when
-    `shuffle`, else corpus order (rank = index). Within each file documents follow increasing rank."""
+def document_order(keys: np.ndarray, *, shuffle: bool) -> np.ndarray:
+    """(n,) int64 rank of each document in the order shards are written: sorted by its `document_key` when
+    `shuffle` (identical texts, the only ties, keep corpus order among themselves), else corpus order (rank =
+    index). Within each file documents follow increasing rank."""
+    n = len(keys)
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     rank = np.empty(n, dtype=np.int64)
-    rank[np.argsort(document_keys(n, seed=seed), kind="stable")] = np.arange(n, dtype=np.int64)
+    rank[np.argsort(np.asarray(keys, dtype=np.uint64), kind="stable")] = np.arange(n, dtype=np.int64)
     return rank
 
 

@@ -15,7 +15,7 @@ from router.bpe import EOS_TOKEN, BPETokenizer, train_bpe
 from router.cli import app
 from router.corpus import build_local_corpus, iter_jsonl
 from router.router import Router
-from router.shards import ShardError, ShardOptions, document_order, load_manifest, shard_corpus
+from router.shards import ShardError, ShardOptions, document_key, document_order, load_manifest, shard_corpus
 from router.tokenizer import TOKEN_DTYPE, ByteTokenizer
 
 
@@ -120,7 +120,8 @@ def test_overlap_top2_puts_every_document_in_two_shards(
     assert (top1 != top2).all()
     tok = ByteTokenizer()
     total_docs = 0
-    in_order = np.argsort(document_order(len(train), seed=0, shuffle=True))  # the shard order: by rank
+    keys = np.asarray([document_key(t, seed=0) for t in train], dtype=np.uint64)
+    in_order = np.argsort(document_order(keys, shuffle=True))  # the shard order: by rank
     for p, shard in enumerate(m["shards"]):
         expected = b"".join(tok.encode_array(train[i], eos=True).tobytes() for i in in_order if p in (top1[i], top2[i]))
         assert (out / shard["file"]).read_bytes() == expected
@@ -154,7 +155,8 @@ def test_bpe_shards_are_deterministic(small_corpus: Path, tmp_path: Path) -> Non
     router = Router.load(tmp_path / "a" / "router")
     train = [d["text"] for d in iter_jsonl(corpus_dir / "train.jsonl")]
     labels = router.route(train)
-    in_order = np.argsort(document_order(len(train), seed=0, shuffle=True))
+    keys = np.asarray([document_key(t, seed=0) for t in train], dtype=np.uint64)
+    in_order = np.argsort(document_order(keys, shuffle=True))
     for p, shard in enumerate(a["shards"]):
         tokens = np.fromfile(tmp_path / "a" / shard["file"], dtype=TOKEN_DTYPE)
         assert tokens.size == shard["num_tokens"] and int(tokens.max()) < 600 and tokens[-1] == tok.EOS

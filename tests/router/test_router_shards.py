@@ -14,7 +14,7 @@ from router.shards import (
     ORDER_KEY,
     ShardError,
     ShardOptions,
-    document_keys,
+    document_key,
     document_order,
     load_manifest,
     shard_corpus,
@@ -66,7 +66,7 @@ def test_shards_follow_the_saved_router_in_the_seeded_order(
     train = [d["text"] for d in iter_jsonl(corpus_dir / "train.jsonl")]
     labels = router.route(train)
     assert manifest["order"] == {"shuffled": True, "seed": 0, "key": ORDER_KEY}
-    rank = document_order(len(train), seed=0, shuffle=True)
+    rank = document_order(keys_of(train, seed=0), shuffle=True)
     assert sorted(rank.tolist()) == list(range(len(train)))
     for p, shard in enumerate(manifest["shards"]):
         members = np.flatnonzero(labels == p)
@@ -74,7 +74,7 @@ def test_shards_follow_the_saved_router_in_the_seeded_order(
         assert shard_texts(out / shard["file"]) == expected
     # The order is neither corpus order nor the same for another seed.
     assert (np.diff(rank) > 0).mean() < 0.6
-    assert not np.array_equal(rank, document_order(len(train), seed=1, shuffle=True))
+    assert not np.array_equal(rank, document_order(keys_of(train, seed=1), shuffle=True))
 
 
 def test_unshuffled_shards_keep_corpus_order(corpus_dir: Path, tmp_path: Path) -> None:
@@ -86,12 +86,33 @@ def test_unshuffled_shards_keep_corpus_order(corpus_dir: Path, tmp_path: Path) -
         assert shard_texts(tmp_path / "s" / shard["file"]) == [t for t, q in zip(train, labels, strict=True) if q == p]
 
 
+def keys_of(texts: list[str], *, seed: int) -> np.ndarray:
+    return np.asarray([document_key(t, seed=seed) for t in texts], dtype=np.uint64)
+
+
+PINNED_KEYS = [
+    7077534001872103866,
+    5369323258725004742,
+    7461529167137890867,
+    301024441276306469,
+    1676705180508886714,
+    13380936204652758960,
+    2586967580485908144,
+    17934676043055037354,
+]
+PINNED_ORDER = [4, 3, 5, 0, 1, 6, 2, 7]
+
+
 def test_document_keys_are_pinned() -> None:
-    # blake2b of the seed and index: the same on every machine; these values must never change silently.
-    keys = document_keys(3, seed=0)
-    assert keys.dtype == np.uint64
-    assert keys.tolist() == [5418793212401905406, 762198164814472898, 9511411456901988179]
-    assert document_order(8, seed=0, shuffle=True).tolist() == [3, 0, 5, 1, 7, 4, 6, 2]
+    # blake2b of the seed and the text: the same on every machine; these values must never change silently.
+    keys = keys_of(list("abcdefgh"), seed=0)
+    assert keys.tolist() == PINNED_KEYS
+    assert document_order(keys, shuffle=True).tolist() == PINNED_ORDER
+    # A function of the text: the same texts in another order get the same keys, so the same shard order.
+    assert keys_of(list("cab"), seed=0).tolist() == [keys[2], keys[0], keys[1]]
+    # Identical texts tie and keep corpus order among themselves; without shuffle, rank = index.
+    assert document_order(keys_of(["x", "x", "x"], seed=0), shuffle=True).tolist() == [0, 1, 2]
+    assert document_order(keys, shuffle=False).tolist() == list(range(8))
 
 
 def test_purity_beats_random_assignment(shards4: tuple[Path, dict[str, Any]]) -> None:
