@@ -22,6 +22,7 @@ MASTER_ADDR / MASTER_PORT from the environment; rank > 0 becomes a follower).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -138,7 +139,27 @@ class Leader:
             self._send({"op": "stop"})
             dist.barrier()  # every rank has the stop before the group goes away (gloo aborts otherwise)
         finally:
-            dist.destroy_process_group()
+            close_group()
+
+
+def close_group() -> None:
+    """Tear the island's process group down while the interpreter is whole. Garbage that still refers to it
+    (DDP wrappers and their reducers, finished work handles, in reference cycles) is collected first, so the
+    group's C++ side and its threads go away here, not at interpreter exit, where gloo can abort the process
+    ("terminate called without an active exception", seen once in a CI run of the protocol test)."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> None:
+    """End a follower rank after `close_group`: flush what it logged and printed, then leave without the
+    interpreter's and the C++ runtime's teardown, which has nothing left to release and is where a
+    torch.distributed process can still abort."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def send_json(command: dict[str, Any], device: torch.device) -> None:
@@ -193,8 +214,7 @@ class Follower:
                 if command["op"] == "train":
                     self._train(command)
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            close_group()
 
     def _train(self, command: dict[str, Any]) -> None:
         lease = LeasePublic.model_validate_json(command["lease"])

@@ -7,11 +7,10 @@ A separate module (not `python -m island.distributed`) so that running it does n
 from __future__ import annotations
 
 import argparse
-import sys
 
-from island.distributed import follower_main
+from island.distributed import exit_rank, follower_main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="A follower rank of a multi-process island (internal).")
     parser.add_argument("--device", default="auto")
-    sys.exit(follower_main(parser.parse_args().device))
+    exit_rank(follower_main(parser.parse_args().device))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
-from island.distributed import Follower, Leader, free_port
+from island.distributed import Follower, Leader, close_group, exit_rank, free_port
 from island.inner import Ranks, inner_phase
 from modules import (
     InnerConfig,
@@ -95,7 +95,8 @@ def _inner_phase_worker(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_bytes(encode(pseudo_gradient(base, model.state_dict())))
     dist.barrier()  # no rank tears the group down while another still talks to it
-    dist.destroy_process_group()
+    close_group()
+    exit_rank(0)  # as a follower rank of an island ends: no interpreter teardown after the group is gone
 
 
 def _protocol_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -106,7 +107,7 @@ def _protocol_worker(rank: int, world: int, port: int, out: str) -> None:
         follower = Follower(ranks, device)
         follower.run()
         assert follower.leases_trained == 2
-        return
+        exit_rank(0)
     leader = Leader(ranks, device)
     leader.keepalive()  # followers must skip idle commands
     model = build_path(CFG, [init_state(CFG, seed=0)])
@@ -126,6 +127,7 @@ def _protocol_worker(rank: int, world: int, port: int, out: str) -> None:
         optimizer = make_optimizer(model, INNER)
         optimizer.load_state_dict(state)
     leader.stop()
+    exit_rank(0)
 
 
 def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
