@@ -6,12 +6,19 @@ Two backends with one interface (`BlobStore`):
 - `S3BlobStore`: an S3-compatible bucket through boto3 (AWS S3, MinIO, Ceph, ...). A PUT is atomic: the object
   appears complete or not at all.
 The database references a blob only after `put_*` returned. Every read verifies the content hash.
+
+Staging: an upload whose sender names its sha256 waits under `staging/<name>`, outside the content-addressed
+names, until an apply executor has hashed it (`open_staged`) and given it its name (`promote_staged`); islands
+PUT their direct uploads there on S3, and the coordinator moves a named upload there on either store, so that
+hashing is not on the request path (services/staging.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +69,32 @@ class BlobStore(Protocol):
     def iter_verified(self, digest: str) -> Iterator[bytes]:
         """Stream a blob; raises BlobError at the end if the content does not match its name."""
         ...
+
+    def staging_key(self, name: str) -> str:
+        """Where an upload waits, outside the content-addressed names, until it is verified."""
+        ...
+
+    def stage_file(self, path: Path, key: str) -> None:
+        """Move a complete file to `key` (a `staging_key`), durably; the file is consumed."""
+        ...
+
+    def open_staged(self, key: str) -> contextlib.AbstractContextManager[tuple[Path, str]]:
+        """A local file holding the staged upload and its sha256, for as long as the context lasts; raises
+        BlobError when nothing is staged at `key`."""
+        ...
+
+    def promote_staged(self, key: str, digest: str) -> None:
+        """Give a verified upload its content-addressed name; the staged copy stays until `delete_staged`.
+        Idempotent: a second executor finds it done."""
+        ...
+
+    def delete_staged(self, key: str) -> None: ...
+
+
+def _staging_name(name: str) -> str:
+    if not name or "/" in name or ".." in name or name.startswith("."):
+        raise BlobError(f"bad staging name {name!r}")
+    return name
 
 
 class LocalBlobStore:
@@ -158,6 +191,67 @@ class LocalBlobStore:
         with f:
             yield from _verify_chunks(digest, iter(lambda: f.read(CHUNK), b""))
 
+    # -- staging: named uploads wait here until an executor has hashed them -----------------------------------
+
+    def staging_key(self, name: str) -> str:
+        return f"{STAGING}/{_staging_name(name)}"
+
+    def _staged_path(self, key: str) -> Path:
+        prefix, _, name = key.partition("/")
+        if prefix != STAGING:
+            raise BlobError(f"not a staging key: {key!r}")
+        return self.root / STAGING / _staging_name(name)
+
+    def stage_file(self, path: Path, key: str) -> None:
+        target = self._staged_path(key)
+        target.parent.mkdir(exist_ok=True)
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+        try:
+            os.replace(path, target)
+        except OSError:  # another file system: copy next to the target, then rename
+            fd, tmp_name = tempfile.mkstemp(dir=self._tmp)
+            try:
+                with os.fdopen(fd, "wb") as out, path.open("rb") as src:
+                    shutil.copyfileobj(src, out, CHUNK)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp_name, target)
+            finally:
+                if os.path.exists(tmp_name):
+                    os.unlink(tmp_name)
+            path.unlink(missing_ok=True)
+        _fsync_dir(target.parent)  # the rename itself survives a crash: the database is about to point at it
+
+    @contextlib.contextmanager
+    def open_staged(self, key: str) -> Iterator[tuple[Path, str]]:
+        path = self._staged_path(key)
+        try:
+            f = path.open("rb")
+        except FileNotFoundError as exc:
+            raise BlobError(f"nothing is staged at {key} in {self.root}") from exc
+        with f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        yield path, digest
+
+    def promote_staged(self, key: str, digest: str) -> None:
+        if self.exists(digest):
+            return
+        target = self.path(digest)
+        target.parent.mkdir(exist_ok=True)
+        try:
+            os.link(self._staged_path(key), target)  # a second name for the same bytes: nothing is copied
+        except FileExistsError:
+            pass  # another executor promoted it first
+        except OSError:  # no hard links here: a copy, hashed again on the way
+            with self._staged_path(key).open("rb") as f:
+                got, _ = self.put_stream(f)
+            if got != digest:
+                raise BlobError(f"staged upload {key} hashes to {got}, not {digest}") from None
+
+    def delete_staged(self, key: str) -> None:
+        self._staged_path(key).unlink(missing_ok=True)
+
 
 class S3BlobStore:
     """Blobs as objects `<prefix><aa>/<sha256>` in one bucket."""
@@ -221,9 +315,11 @@ class S3BlobStore:
 
     def staging_key(self, name: str) -> str:
         """Where an upload waits, outside the content-addressed names, until it is verified."""
-        if not name or "/" in name or ".." in name:
-            raise BlobError(f"bad staging name {name!r}")
-        return f"{self.prefix}{STAGING}/{name}"
+        return f"{self.prefix}{STAGING}/{_staging_name(name)}"
+
+    def stage_file(self, path: Path, key: str) -> None:
+        self.client.upload_file(str(path), self.bucket, key)
+        path.unlink(missing_ok=True)
 
     def presign_put(self, key: str, *, expires_s: float) -> str:
         """A URL to PUT one upload to `key` (a `staging_key`), until it expires."""
@@ -268,6 +364,19 @@ class S3BlobStore:
                 out.write(chunk)
         return h.hexdigest()
 
+    @contextlib.contextmanager
+    def open_staged(self, key: str) -> Iterator[tuple[Path, str]]:
+        with tempfile.TemporaryDirectory(prefix="dipaco-staged-") as tmp:
+            path = Path(tmp) / "upload"
+            try:
+                digest = self.fetch_staged(key, path)
+            except Exception as exc:  # noqa: BLE001 - botocore's errors have no common base worth naming here
+                raise BlobError(f"s3://{self.bucket}/{key} cannot be read: {exc}") from exc
+            yield path, digest
+
+    def promote_staged(self, key: str, digest: str) -> None:
+        self.copy_staged(key, digest)
+
     def copy_staged(self, key: str, digest: str) -> None:
         """Give a verified upload its content-addressed name (a copy inside the bucket: no bytes leave it).
         Idempotent: a second executor finds it done."""
@@ -301,6 +410,14 @@ class S3BlobStore:
     def iter_verified(self, digest: str) -> Iterator[bytes]:
         body = self._body(digest)
         yield from _verify_chunks(digest, body.iter_chunks(CHUNK))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _verified(digest: str, data: bytes) -> bytes:

@@ -53,6 +53,7 @@ from coordinator.client_http import (
     sha256_hex,
 )
 from coordinator.schemas import (
+    H_CONTENT_HASH,
     H_HELDOUT_LOSS,
     H_IDLE,
     H_ROUND,
@@ -308,11 +309,17 @@ class CoordinatorClient(Session):
         heldout_loss: float | None = None,
     ) -> ContributionPublic:
         """Stream the outer gradients of a lease (with the start weights' held-out loss, when scored). Idempotent on
-        the server, so retries are safe.
+        the server, so retries are safe. The body's sha256 goes with it (`X-Dipaco-Content-Sha256`), so the
+        coordinator need not hash it while receiving; its apply executor checks it.
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
-        headers = {H_ROUND: str(lease.round), H_TOKENS: str(tokens), H_TRAIN_LOSS: repr(float(train_loss))}
+        headers = {
+            H_ROUND: str(lease.round),
+            H_TOKENS: str(tokens),
+            H_TRAIN_LOSS: repr(float(train_loss)),
+            H_CONTENT_HASH: sha256_hex(payload),
+        }
         if heldout_loss is not None:
             headers[H_HELDOUT_LOSS] = repr(float(heldout_loss))
         url = f"/v1/leases/{lease.lease_id}/outer-gradients"

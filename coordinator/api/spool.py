@@ -1,7 +1,9 @@
 """Streaming a request body to a temporary file while it arrives (outer-gradient and shard uploads).
 
 The event loop only receives and coalesces chunks; hashing (sha256, the blob's name) and writing run on a
-thread of their own, both releasing the GIL, so receiving overlaps them (docs/LOG.md, upload fast path).
+thread of their own, both releasing the GIL, so receiving overlaps them (docs/LOG.md, upload fast path). An
+upload that names its own sha256 is not hashed here (`digest=False`): the apply executor checks it
+(services/staging.py).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from coordinator.errors import PayloadTooLarge
 
 @dataclass(frozen=True, slots=True)
 class Spooled:
-    """A request body on local disk, with its sha256 computed while it streamed in."""
+    """A request body on local disk, with its sha256 computed while it streamed in (None when not asked for)."""
 
     path: Path
-    sha256: str
+    sha256: str | None
     size: int
 
 
@@ -70,8 +72,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Spooled:
-    """Stream the request body to a temporary file, refusing more than `limit` bytes.
+async def spool_body(request: Request, *, limit: int, spool_dir: Path, digest: bool = True) -> Spooled:
+    """Stream the request body to a temporary file, refusing more than `limit` bytes; `digest`: hash it too.
 
     The event loop only receives and joins chunks. From the first full buffer on, hashing and writing run on a
     thread of their own (`_SpoolThread`; both release the GIL), so receiving the next bytes overlaps them; a body
@@ -96,7 +98,7 @@ async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Spoole
             pending_size += len(chunk)
             if pending_size >= SPOOL_BUFFER:
                 if writer is None:
-                    writer, fd_open = _SpoolThread(fd, name), False
+                    writer, fd_open = _SpoolThread(fd, name, digest=digest), False
                 await writer.put(b"".join(pending))  # join of one item returns it as is
                 pending, pending_size = [], 0
         rest = b"".join(pending)
@@ -104,11 +106,11 @@ async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Spoole
             _write_all(fd, rest)
             fd_open = False
             os.close(fd)
-            digest = hashlib.sha256(rest).hexdigest()
+            sha256 = hashlib.sha256(rest).hexdigest() if digest else None
         else:
             if rest:
                 await writer.put(rest)
-            digest = await writer.finish()
+            sha256 = await writer.finish()
     except BaseException:
         if writer is not None:
             await writer.abort()
@@ -116,7 +118,7 @@ async def spool_body(request: Request, *, limit: int, spool_dir: Path) -> Spoole
             os.close(fd)
         Path(name).unlink(missing_ok=True)
         raise
-    return Spooled(path=Path(name), sha256=digest, size=size)
+    return Spooled(path=Path(name), sha256=sha256, size=size)
 
 
 class _SpoolThread:
@@ -127,8 +129,9 @@ class _SpoolThread:
     then aborts.
     """
 
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, *, digest: bool) -> None:
         self._fd = fd
+        self._digest = digest
         self._path = path
         self._loop = asyncio.get_running_loop()
         self._slots = asyncio.Semaphore(SPOOL_IN_FLIGHT)  # released by the thread as it finishes each buffer
@@ -136,7 +139,7 @@ class _SpoolThread:
         self._aborted = threading.Event()
         self._error: Exception | None = None
         self._flush_error: OSError | None = None
-        self._done: asyncio.Future[str] = self._loop.create_future()
+        self._done: asyncio.Future[str | None] = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name=f"dipaco-spool-{os.path.basename(path)}", daemon=True)
         self._thread.start()
 
@@ -146,8 +149,8 @@ class _SpoolThread:
             raise self._failed(self._error)
         self._queue.put(buf)
 
-    async def finish(self) -> str:
-        """Wait until everything handed over is written; the body's sha256."""
+    async def finish(self) -> str | None:
+        """Wait until everything handed over is written; the body's sha256 (None when not hashing)."""
         self._queue.put(None)
         return await asyncio.shield(self._done)  # a cancelled request still aborts and waits, see abort
 
@@ -160,7 +163,7 @@ class _SpoolThread:
             self._done.exception()  # marks it retrieved: the caller raises its own error
 
     def _run(self) -> None:
-        digest = hashlib.sha256()
+        digest = hashlib.sha256() if self._digest else None
         written = flushed = 0
         flusher: threading.Thread | None = None
         ended = False
@@ -168,7 +171,8 @@ class _SpoolThread:
             while (buf := self._queue.get()) is not None:
                 try:
                     if self._error is None and not self._aborted.is_set():
-                        digest.update(buf)
+                        if digest is not None:
+                            digest.update(buf)
                         _write_all(self._fd, buf)
                         written += len(buf)
                         if written - flushed >= SPOOL_FLUSH_EVERY and (flusher is None or not flusher.is_alive()):
@@ -193,7 +197,7 @@ class _SpoolThread:
             os.close(self._fd)
             if self._error is not None or self._aborted.is_set():
                 Path(self._path).unlink(missing_ok=True)
-            self._notify(self._settle, digest.hexdigest(), self._error)
+            self._notify(self._settle, None if digest is None else digest.hexdigest(), self._error)
 
     def _flush(self) -> None:
         try:
@@ -201,7 +205,7 @@ class _SpoolThread:
         except OSError as exc:
             self._flush_error = exc
 
-    def _settle(self, digest: str, error: Exception | None) -> None:
+    def _settle(self, digest: str | None, error: Exception | None) -> None:
         if error is None:
             self._done.set_result(digest)
         else:

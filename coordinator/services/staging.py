@@ -1,9 +1,12 @@
-"""Verifying direct uploads before any math: an outer gradient an island PUT into the bucket's staging area was
-recorded on the strength of its header (`uploads._staged_payload`); the apply executor that first needs it reads
-it whole, checks that it hashes to the sha256 its island committed, checks its values (finite; each module's
-norm measured, the same code as an upload through the coordinator: `payloads.validated_payload`), and gives it its
-content-addressed name in the bucket. An upload that fails is refused part by part (scale 0, with the reason on
-the contribution), so nothing it carries reaches a module; it is removed from the staging area either way.
+"""Verifying staged uploads before any math. Two kinds of upload are recorded before their bytes are hashed:
+an outer gradient an island PUT into the bucket's staging area (`uploads._staged_payload`, recorded on the
+strength of its header), and one sent through the coordinator with the sha256 it claims
+(`X-Dipaco-Content-Sha256`), whose values were checked on the request but whose hash was not (hashing was the
+largest cost of accepting an upload: docs/LOG.md). The apply executor that first needs such an upload hashes it,
+checks that it hashes to the sha256 its island named, checks its values (finite; each module's norm measured,
+the same code as an upload through the coordinator: `payloads.validated_payload`), and gives it its
+content-addressed name. An upload that fails is refused part by part (scale 0, with the reason on the
+contribution), so nothing it carries reaches a module; it is removed from the staging area either way.
 
 Executors of different modules may verify the same upload at once: each does the work, the first commit wins
 (`staged_key` is cleared only where it is still set), and promoting is idempotent.
@@ -12,13 +15,11 @@ Executors of different modules may verify the same upload at once: each does the
 from __future__ import annotations
 
 import logging
-import tempfile
-from pathlib import Path as FilePath
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from coordinator.blobstore import BlobError, BlobStore, S3BlobStore
+from coordinator.blobstore import BlobError, BlobStore
 from coordinator.errors import Invalid
 from coordinator.models import Contribution, ContributionGrad, Level, Module, Run
 from coordinator.services.payloads import validated_payload
@@ -44,16 +45,14 @@ def verify_staged(session: Session, blobs: BlobStore, *, run_id: int, round_: in
         )
     ).all()
     session.rollback()
-    if staged and not isinstance(blobs, S3BlobStore):
-        raise BlobError("direct uploads are staged in an s3:// bucket, but this executor's blob store is not one")
     done = 0
     for contribution_id, key, digest in staged:
-        assert isinstance(blobs, S3BlobStore) and key is not None
+        assert key is not None  # selected so
         done += _verify_one(session, blobs, contribution_id, key, digest)
     return done
 
 
-def _verify_one(session: Session, blobs: S3BlobStore, contribution_id: int, key: str, digest: str) -> int:
+def _verify_one(session: Session, blobs: BlobStore, contribution_id: int, key: str, digest: str) -> int:
     run = session.get_one(Run, session.get_one(Contribution, contribution_id).run_id)
     cfg, layout, codec = run_model_config(run), run_layout(run), run.config.get("codec", "fp32")
     sparse_rows = run.config.get("sparse_rows", False)
@@ -69,21 +68,19 @@ def _verify_one(session: Session, blobs: S3BlobStore, contribution_id: int, key:
     session.rollback()
     norms: dict[int, float | None] | None = None
     reason = ""
-    with tempfile.TemporaryDirectory(prefix="dipaco-staged-") as tmp:
-        body = FilePath(tmp) / "upload"
-        try:
-            actual = blobs.fetch_staged(key, body)
-        except Exception as exc:  # noqa: BLE001 - gone (another executor promoted it) or unreadable: look again
-            return _already_verified(session, contribution_id, key, exc)
-        if actual != digest:
-            reason = f"the upload hashes to {actual}, its commit said {digest}"
-        else:
-            try:
-                norms = validated_payload(body, cfg, layout, levels, codec=codec, sparse_rows=sparse_rows).norms
-            except Invalid as exc:
-                reason = exc.detail
+    try:
+        with blobs.open_staged(key) as (body, actual):
+            if actual != digest:
+                reason = f"the upload hashes to {actual}, its island said {digest}"
+            else:
+                try:
+                    norms = validated_payload(body, cfg, layout, levels, codec=codec, sparse_rows=sparse_rows).norms
+                except Invalid as exc:
+                    reason = exc.detail
+    except BlobError as exc:  # gone (another executor promoted it) or unreadable: look again
+        return _already_verified(session, contribution_id, key, exc)
     if norms is not None:
-        blobs.copy_staged(key, digest)  # named by its content before the database says so; staged copy kept
+        blobs.promote_staged(key, digest)  # named by its content before the database says so; staged copy kept
     cleared = session.execute(
         update(Contribution)
         .where(Contribution.id == contribution_id, Contribution.staged_key.is_not(None))

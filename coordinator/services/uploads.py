@@ -1,9 +1,11 @@
-"""Accepting outer gradients: validate everything first, then store one blob per module and commit.
+"""Accepting outer gradients: validate everything first, then store the upload as one blob and commit.
 
 An upload is checked against its lease (owned, issued for the run's current round, path not yet done, base
-module versions current) and its payload (safetensors header, exact tensor names, F32 dtype, shapes, finite
-values) before anything is written, so a rejected upload changes nothing. A retry of an accepted lease returns
-the same contribution (idempotent).
+module versions current) and its payload (safetensors header, exact tensor names, the run codec's dtypes,
+shapes, finite values) before anything is written, so a rejected upload changes nothing. A retry of an accepted
+lease returns the same contribution (idempotent). The one check left for later is the hash of an upload that
+named its own sha256 (the island client's uploads, and direct uploads to a bucket): it is staged, and the apply
+executor hashes it before any math (services/staging.py).
 """
 
 from __future__ import annotations
@@ -60,9 +62,13 @@ class Upload:
     body: FilePath | None
     """The spooled body; None for a direct upload, which is in the bucket at `staged_key`."""
     body_sha256: str
+    """The body's sha256: computed while it was spooled (`hashed`), else as its island named it."""
     size: int
     staged_key: str | None = None
     """A direct upload: PUT by the island into the bucket's staging area (`DirectUploads`)."""
+    hashed: bool = True
+    """False: `body_sha256` is the island's word for it; an accepted body is staged, and the apply executor
+    hashes it before any math (`staging.verify_staged`)."""
     heldout_loss: float | None = None
     """`X-Dipaco-Heldout-Loss`, when sent: the lease's start weights scored on the path's held-out slice."""
 
@@ -335,6 +341,9 @@ def _record(
         session.rollback()
         return Submitted(prior, False, _path_index(session, lease))
     _check_lease(run, lease, upload.round, prior, _round_status(session, lease))
+    staged_key = upload.staged_key
+    if upload.body is not None and not upload.hashed:
+        staged_key = blobs.staging_key(f"{lease.id}-{upload.body_sha256}")
     contribution = Contribution(
         lease_id=lease.id,
         run_id=run.id,
@@ -345,7 +354,7 @@ def _record(
         heldout_loss=upload.heldout_loss,
         codec=payload.codec,
         upload_bytes=upload.size,
-        staged_key=upload.staged_key,
+        staged_key=staged_key,
         status=ContributionStatus.ACCEPTED,
         created_at=now,
     )
@@ -355,7 +364,9 @@ def _record(
     except IntegrityError as exc:
         session.rollback()
         raise Conflict(f"path of lease {lease.id} already has a contribution for round {lease.round}") from exc
-    if upload.body is not None:
+    if upload.body is not None and staged_key is not None:
+        blobs.stage_file(upload.body, staged_key)
+    elif upload.body is not None:
         blobs.put_file(upload.body, upload.body_sha256)
     slots, steps = _assign_steps(session, run, lease, checked.levels)
     session.add_all(

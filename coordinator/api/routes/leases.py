@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from fastapi import APIRouter, Header, Request
 from fastapi.concurrency import run_in_threadpool
@@ -14,6 +15,7 @@ from coordinator.auth import require
 from coordinator.errors import Invalid
 from coordinator.schemas import (
     DB_INT_MAX,
+    H_CONTENT_HASH,
     H_HELDOUT_LOSS,
     H_ROUND,
     H_TOKENS,
@@ -56,6 +58,17 @@ def _parse_int(name: str, value: str | None, *, required: bool) -> int | None:
     return parsed
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _parse_sha256(name: str, value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not _SHA256.fullmatch(value):
+        raise Invalid(f"header {name} must be a lowercase hex sha256 (64 characters), got {value[:80]!r}")
+    return value
+
+
 @router.post("/leases/{lease_id}/outer-gradients", response_model=ContributionPublic, responses=errors(403, 404, 409))
 async def upload_outer_gradients(
     lease_id: Id,
@@ -66,8 +79,14 @@ async def upload_outer_gradients(
     x_dipaco_tokens: str | None = Header(None),
     x_dipaco_train_loss: str | None = Header(None),
     x_dipaco_heldout_loss: str | None = Header(None),
+    x_dipaco_content_sha256: str | None = Header(None),
 ) -> ContributionPublic:
-    """Body: safetensors, one F32 tensor per parameter of the path, named `<level>/<param>` (streamed)."""
+    """Body: safetensors in the run's codec, the path's outer gradient named `<level>/<param>` (streamed).
+
+    With `X-Dipaco-Content-Sha256` (the body's sha256, as the island client sends it) the body is not hashed
+    here: its header and values are checked now, its hash by the apply executor before any math, and an upload
+    that does not hash to what it named is refused there (services/staging.py). Without it the coordinator
+    hashes the body while it streams in."""
     with state.metrics.counting_refused_uploads():
         require(principal, "island")
         assert principal.island_id is not None  # island scope
@@ -76,7 +95,10 @@ async def upload_outer_gradients(
         assert tokens is not None  # required
         loss = _parse_float(H_TRAIN_LOSS, x_dipaco_train_loss)
         heldout = None if x_dipaco_heldout_loss is None else _parse_float(H_HELDOUT_LOSS, x_dipaco_heldout_loss)
-        body = await spool_body(request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir)
+        claimed = _parse_sha256(H_CONTENT_HASH, x_dipaco_content_sha256)
+        body = await spool_body(
+            request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir, digest=claimed is None
+        )
         state.metrics.bytes_in.labels(kind="outer_gradient").inc(body.size)
         upload = Upload(
             lease_id=lease_id,
@@ -86,8 +108,9 @@ async def upload_outer_gradients(
             train_loss=loss,
             heldout_loss=heldout,
             body=body.path,
-            body_sha256=body.sha256,
+            body_sha256=claimed or body.sha256 or "",
             size=body.size,
+            hashed=claimed is None,
         )
         try:
             return await run_in_threadpool(state.uploads.accept, upload)

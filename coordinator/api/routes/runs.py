@@ -79,7 +79,8 @@ async def _register_tokens(
     request: Request, state: AppState, register: Callable[[Session, FilePath], Shard]
 ) -> ShardPublic:
     """Spool a raw uint16 token body, then `register` it (on a worker thread, in a session of its own)."""
-    spooled = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir)
+    # not hashed while spooling: registering copies it into the blob store, which hashes it then
+    spooled = await spool_body(request, limit=state.settings.max_shard_bytes, spool_dir=state.spool_dir, digest=False)
     state.metrics.bytes_in.labels(kind="shard").inc(spooled.size)
 
     def _register() -> ShardPublic:
