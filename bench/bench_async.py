@@ -68,7 +68,7 @@ from dipaco.quality import standard_contenders as contenders
 from dipaco.router_commands import register_shards
 from dipaco.service import STOP_TIMEOUT_S, LocalService, ServiceError, tail
 from modules import build_path
-from router.evaluate import evaluate_routed
+from router.evaluate import EvalResult, evaluate_routed
 from router.router import Router
 from router.shards import ROUTER_DIR
 
@@ -395,9 +395,16 @@ class Scorer:
         self.paths = fetch_run_paths(service.client, run_id)
         self.weights = VersionedWeights(service.client)
         self.router, self.documents = router, documents
-        self._cache: dict[tuple[tuple[int, int], ...], float] = {}
+        self._cache: dict[tuple[tuple[int, int], ...], EvalResult] = {}
 
     def __call__(self, versions: Mapping[int, int]) -> float:
+        return self.result(versions).perplexity
+
+    def per_path(self, versions: Mapping[int, int]) -> list[float | None]:
+        """Each path's perplexity on the held-out documents routed to it."""
+        return [p.perplexity for p in self.result(versions).per_path]
+
+    def result(self, versions: Mapping[int, int]) -> EvalResult:
         key = tuple(sorted(versions.items()))
         if key not in self._cache:
             cfg = self.paths.config
@@ -407,7 +414,7 @@ class Scorer:
 
             self._cache[key] = evaluate_routed(
                 build, self.router, self.documents, prefix_tokens=self.router.prefix_tokens, context=cfg.seq_len
-            ).perplexity
+            )
         return self._cache[key]
 
 
@@ -420,6 +427,7 @@ def score(trial: Trial, scorer: Scorer, cfg: Config, *, target: dict[str, float]
     out: dict[str, Any] = {
         "curve": [{"t_s": round(t, 1), "ppl": p, "tokens": n} for t, p, n in curve],
         "final_ppl": curve[-1][1],
+        "final_ppl_per_path": scorer.per_path(final),
         "final_state_s": tl.appeared(final) - t0,
         "module_steps": sum(final.values()),
     }
@@ -439,9 +447,19 @@ def score(trial: Trial, scorer: Scorer, cfg: Config, *, target: dict[str, float]
         cum += c.tokens
         if cum >= target["tokens"]:
             out["ppl_at_round_tokens"] = scorer(tl.at(c.created_at.timestamp()))
+            out["ppl_at_round_tokens_per_path"] = scorer.per_path(tl.at(c.created_at.timestamp()))
+            out["path_tokens_at_round_tokens"] = path_tokens(trial, c.created_at.timestamp())
             out["round_tokens_at_s"] = c.created_at.timestamp() - t0
             break
     return out
+
+
+def path_tokens(trial: Trial, until: float) -> dict[int, int]:
+    """Tokens accepted per path index up to `until`."""
+    out: dict[int, int] = {}
+    for c in trial.accepted(until):
+        out[c.path_index] = out.get(c.path_index, 0) + c.tokens
+    return dict(sorted(out.items()))
 
 
 def counts(trial: Trial) -> dict[str, Any]:
@@ -455,6 +473,7 @@ def counts(trial: Trial) -> dict[str, Any]:
         "refused": trial.refused(trial.t_end),
         "mean_staleness": statistics.fmean(stale) if stale else 0.0,
         "path_switches": trial.path_switches(),
+        "path_tokens": path_tokens(trial, trial.t_end),
         "lease_s_fast": statistics.median(
             [s for i in trial.island_ids[:-1] for s in trial.lease_seconds(i)] or [math.nan]
         ),
@@ -502,6 +521,21 @@ def report(results: dict[str, dict[str, Any]], cfg: Config) -> None:
                 f"{_ratio(at_tok, base['final_ppl']):>6s}  {curve}"
             )
         print(PART1_HELP)
+        print("  per path (index: tokens accepted in the budget / final held-out ppl on its routed documents):")
+        for mode, r in results.items():
+            per = r["final_ppl_per_path"]
+            cells = [
+                f"{p}: {n:,} / {per[p]:.2f}" if per[p] is not None else f"{p}: {n:,}"
+                for p, n in r["path_tokens"].items()
+            ]
+            print(f"  {mode:7s} " + "   ".join(cells))
+            if "ppl_at_round_tokens_per_path" in r:
+                at = r["ppl_at_round_tokens_per_path"]
+                cells = [
+                    f"{p}: {n:,} / {at[p]:.2f}" if at[p] is not None else f"{p}: {n:,}"
+                    for p, n in r["path_tokens_at_round_tokens"].items()
+                ]
+                print(f"  {'@tok':7s} " + "   ".join(cells))
     if 2 in cfg.parts:
         print("\npart 2: island idle share of wall time (no lease held), first lease to end of budget")
         print(f"{'mode':7s} {'mean':>6s} {'fast':>6s} {'slow':>6s} {'vs round':>8s}  lease s fast/slow")
