@@ -20,6 +20,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -225,14 +226,23 @@ class LocalBlobStore:
 
     @contextlib.contextmanager
     def open_staged(self, key: str) -> Iterator[tuple[Path, str]]:
-        path = self._staged_path(key)
+        # A name of our own for the bytes: another executor that finishes first removes the staged name meanwhile.
+        mine = self._tmp / f"verify-{os.getpid()}-{uuid.uuid4().hex}"
         try:
-            f = path.open("rb")
+            os.link(self._staged_path(key), mine)
         except FileNotFoundError as exc:
             raise BlobError(f"nothing is staged at {key} in {self.root}") from exc
-        with f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        yield path, digest
+        except OSError:  # no hard links on this file system: a copy
+            try:
+                shutil.copyfile(self._staged_path(key), mine)
+            except FileNotFoundError as exc:
+                raise BlobError(f"nothing is staged at {key} in {self.root}") from exc
+        try:
+            with mine.open("rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            yield mine, digest
+        finally:
+            mine.unlink(missing_ok=True)
 
     def promote_staged(self, key: str, digest: str) -> None:
         if self.exists(digest):

@@ -68,6 +68,36 @@ def test_contract(store: BlobStore) -> None:
         b"".join(store.iter_verified(digest))
 
 
+def test_staging_contract(store: BlobStore, tmp_path: Path) -> None:
+    """A staged upload is outside the content names until promoted; verifying it survives another executor
+    removing the staged name meanwhile; promoting twice is a no-op."""
+    data = b"outer gradient" * 10_000
+    digest = hashlib.sha256(data).hexdigest()
+    body = tmp_path / "spooled"
+    body.write_bytes(data)
+    key = store.staging_key(f"7-{digest}")
+    store.stage_file(body, key)
+    assert not body.exists()  # consumed
+    assert not store.exists(digest)
+    with store.open_staged(key) as (path, actual):
+        assert actual == digest
+        store.delete_staged(key)  # another executor finished first
+        assert path.read_bytes() == data
+    with pytest.raises(BlobError, match="cannot be read|nothing is staged"):
+        with store.open_staged(key):
+            pass
+    body.write_bytes(data)
+    store.stage_file(body, key)
+    store.promote_staged(key, digest)
+    store.promote_staged(key, digest)
+    assert store.get_bytes(digest) == data
+    store.delete_staged(key)
+    assert store.get_bytes(digest) == data
+    for bad in ("", "a/b", "..", ".hidden"):
+        with pytest.raises(BlobError, match="bad staging name"):
+            store.staging_key(bad)
+
+
 def test_unknown_scheme_is_refused() -> None:
     with pytest.raises(BlobError, match="use a directory, file:///path or s3://bucket/prefix"):
         open_blob_store("gs://bucket")
