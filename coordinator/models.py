@@ -252,7 +252,7 @@ class Contribution(Base):
     codec: Mapped[Codec] = mapped_column(String(8), server_default="fp32")
     upload_bytes: Mapped[int] = mapped_column(server_default="0")
     staged_key: Mapped[str | None] = mapped_column(
-        String(300), comment="Direct upload still in the bucket's staging area, its values not verified yet"
+        String(300), comment="Upload still in the blob store's staging area, not yet verified by an apply executor"
     )
     status: Mapped[ContributionStatus] = mapped_column(state_column(ContributionStatus, length=16))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
