@@ -110,6 +110,32 @@ def test_body_in_odd_pieces_is_hashed_and_stored_byte_for_byte(
     assert_nothing_left(settings)
 
 
+def test_a_large_body_that_names_its_hash_is_spooled_unhashed_and_staged_byte_for_byte(
+    settings: Settings, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # many spool-thread buffers, none hashed: the staged file must still be the body, byte for byte
+    monkeypatch.setattr(spooling, "SPOOL_BUFFER", 100_003)
+    settings.apply_workers = 0  # nothing promotes it: the staged copy is what the request left
+    with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:
+        lease, h = running_lease(http)
+        payload = outer_gradients(lease)
+        digest = hashlib.sha256(payload).hexdigest()
+        r = http.post(
+            f"/v1/leases/{lease['lease_id']}/outer-gradients",
+            content=in_pieces(payload, 77_777),
+            headers={
+                **upload_headers(lease, h),
+                "Content-Length": str(len(payload)),
+                "X-Dipaco-Content-Sha256": digest,
+            },
+        )
+        assert r.status_code == 200, r.text
+    staged = Path(settings.resolved_blob_url) / "staging" / f"{lease['lease_id']}-{digest}"
+    assert staged.read_bytes() == payload
+    assert not (Path(settings.resolved_blob_url) / digest[:2] / digest).exists()  # not named until verified
+    assert_nothing_left(settings)
+
+
 def test_body_over_the_limit_without_a_length_is_refused_mid_stream(settings: Settings, clock: FakeClock) -> None:
     settings.max_upload_bytes = 3_000_000  # past the first spool buffers: the spool thread is running by then
     with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:

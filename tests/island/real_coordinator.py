@@ -5,7 +5,9 @@ exchange."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,8 +93,22 @@ class Coordinator:
         shard = np.frombuffer(r.content, dtype="<u2")
         return torch.from_numpy(shard[lease.token_start : lease.token_end].astype("int64"))
 
-    def stored_blob(self, digest: str) -> bytes:
-        """A blob from the coordinator's blob store (an accepted upload is stored as received, by its sha256)."""
-        app: Any = self.app.app
-        data: bytes = app.state.dipaco.blobs.get_bytes(digest)
-        return data
+    def stored_blob(self, digest: str, *, timeout_s: float = 10.0) -> bytes:
+        """A blob from the coordinator's blob store (an accepted upload is stored as received, by its sha256).
+        An upload that named its sha256 waits in the staging area until an apply executor has verified it and
+        given it that name: it is read from there meanwhile (and must hash to `digest` too)."""
+        blobs: Any = self.app.app.state.dipaco.blobs
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if blobs.exists(digest):
+                data: bytes = blobs.get_bytes(digest)
+                return data
+            for staged in (blobs.root / "staging").glob(f"*-{digest}"):
+                try:
+                    data = staged.read_bytes()
+                except FileNotFoundError:  # promoted and removed meanwhile: look again
+                    continue
+                assert hashlib.sha256(data).hexdigest() == digest, staged
+                return data
+            assert time.monotonic() < deadline, f"no blob {digest}, stored or staged"
+            time.sleep(0.02)
