@@ -503,6 +503,11 @@ PART1_HELP = """\
   state appeared (target <= 0.70x); @tok: ppl at round's tokens over round's final ppl (target 0.97-1.03x)"""
 
 
+def _per_path(tokens: Mapping[int, int], ppl: Sequence[float | None]) -> str:
+    """`index: tokens / ppl` for each path (no ppl when no held-out document was routed to it)."""
+    return "   ".join(f"{p}: {n:,}" + ("" if ppl[p] is None else f" / {ppl[p]:.2f}") for p, n in tokens.items())
+
+
 def report(results: dict[str, dict[str, Any]], cfg: Config) -> None:
     base = results["round"]
     if 1 in cfg.parts:
@@ -523,19 +528,10 @@ def report(results: dict[str, dict[str, Any]], cfg: Config) -> None:
         print(PART1_HELP)
         print("  per path (index: tokens accepted in the budget / final held-out ppl on its routed documents):")
         for mode, r in results.items():
-            per = r["final_ppl_per_path"]
-            cells = [
-                f"{p}: {n:,} / {per[p]:.2f}" if per[p] is not None else f"{p}: {n:,}"
-                for p, n in r["path_tokens"].items()
-            ]
-            print(f"  {mode:7s} " + "   ".join(cells))
+            print(f"  {mode:7s} " + _per_path(r["path_tokens"], r["final_ppl_per_path"]))
             if "ppl_at_round_tokens_per_path" in r:
-                at = r["ppl_at_round_tokens_per_path"]
-                cells = [
-                    f"{p}: {n:,} / {at[p]:.2f}" if at[p] is not None else f"{p}: {n:,}"
-                    for p, n in r["path_tokens_at_round_tokens"].items()
-                ]
-                print(f"  {'@tok':7s} " + "   ".join(cells))
+                at = _per_path(r["path_tokens_at_round_tokens"], r["ppl_at_round_tokens_per_path"])
+                print(f"  {'@tok':7s} " + at)
     if 2 in cfg.parts:
         print("\npart 2: island idle share of wall time (no lease held), first lease to end of budget")
         print(f"{'mode':7s} {'mean':>6s} {'fast':>6s} {'slow':>6s} {'vs round':>8s}  lease s fast/slow")

@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -115,33 +115,33 @@ class LocalBlobStore:
     def put_bytes(self, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
         if not self.exists(digest):
-            fd, tmp_name = tempfile.mkstemp(dir=self._tmp)
-            try:
-                with os.fdopen(fd, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                self._publish(tmp_name, digest)
-            finally:
-                if os.path.exists(tmp_name):
-                    os.unlink(tmp_name)
+            with self._writing(lambda: self.path(digest)) as out:
+                out.write(data)
         return digest
 
     def put_stream(self, src: BinaryIO) -> tuple[str, int]:
-        fd, tmp_name = tempfile.mkstemp(dir=self._tmp)
         h = hashlib.sha256()
         size = 0
+        with self._writing(lambda: self.path(h.hexdigest())) as out:
+            while chunk := src.read(CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+        return h.hexdigest(), size
+
+    @contextlib.contextmanager
+    def _writing(self, target: Callable[[], Path]) -> Iterator[BinaryIO]:
+        """Write a new file durably: into a temporary file of the store, fsynced and renamed to `target()` when
+        the block ends without error (the name may depend on what was written); removed otherwise."""
+        fd, tmp_name = tempfile.mkstemp(dir=self._tmp)
         try:
             with os.fdopen(fd, "wb") as out:
-                while chunk := src.read(CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
+                yield out
                 out.flush()
                 os.fsync(out.fileno())
-            digest = h.hexdigest()
-            self._publish(tmp_name, digest)
-            return digest, size
+            dest = target()
+            dest.parent.mkdir(exist_ok=True)
+            os.replace(tmp_name, dest)
         finally:
             if os.path.exists(tmp_name):
                 os.unlink(tmp_name)
@@ -210,33 +210,20 @@ class LocalBlobStore:
             os.fsync(f.fileno())
         try:
             os.replace(path, target)
-        except OSError:  # another file system: copy next to the target, then rename
-            fd, tmp_name = tempfile.mkstemp(dir=self._tmp)
-            try:
-                with os.fdopen(fd, "wb") as out, path.open("rb") as src:
-                    shutil.copyfileobj(src, out, CHUNK)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(tmp_name, target)
-            finally:
-                if os.path.exists(tmp_name):
-                    os.unlink(tmp_name)
+        except OSError:  # another file system: a copy, renamed into place
+            with self._writing(lambda: target) as out, path.open("rb") as src:
+                shutil.copyfileobj(src, out, CHUNK)
             path.unlink(missing_ok=True)
         _fsync_dir(target.parent)  # the rename itself survives a crash: the database is about to point at it
 
     @contextlib.contextmanager
     def open_staged(self, key: str) -> Iterator[tuple[Path, str]]:
         # A name of our own for the bytes: another executor that finishes first removes the staged name meanwhile.
-        mine = self._tmp / f"verify-{os.getpid()}-{uuid.uuid4().hex}"
+        mine, staged = self._tmp / f"verify-{os.getpid()}-{uuid.uuid4().hex}", self._staged_path(key)
         try:
-            os.link(self._staged_path(key), mine)
+            _link_or_copy(staged, mine)
         except FileNotFoundError as exc:
             raise BlobError(f"nothing is staged at {key} in {self.root}") from exc
-        except OSError:  # no hard links on this file system: a copy
-            try:
-                shutil.copyfile(self._staged_path(key), mine)
-            except FileNotFoundError as exc:
-                raise BlobError(f"nothing is staged at {key} in {self.root}") from exc
         try:
             with mine.open("rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -364,32 +351,24 @@ class S3BlobStore:
         body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
         return bytes(body.read())
 
-    def fetch_staged(self, key: str, dest: Path) -> str:
-        """Stream a staged upload into `dest`; returns its sha256."""
-        h = hashlib.sha256()
-        body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-        with dest.open("wb") as out:
-            for chunk in body.iter_chunks(CHUNK):
-                h.update(chunk)
-                out.write(chunk)
-        return h.hexdigest()
-
     @contextlib.contextmanager
     def open_staged(self, key: str) -> Iterator[tuple[Path, str]]:
+        """Streamed from the bucket into a temporary file, hashed on the way."""
         with tempfile.TemporaryDirectory(prefix="dipaco-staged-") as tmp:
             path = Path(tmp) / "upload"
+            h = hashlib.sha256()
             try:
-                digest = self.fetch_staged(key, path)
+                body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+                with path.open("wb") as out:
+                    for chunk in body.iter_chunks(CHUNK):
+                        h.update(chunk)
+                        out.write(chunk)
             except Exception as exc:  # noqa: BLE001 - botocore's errors have no common base worth naming here
                 raise BlobError(f"s3://{self.bucket}/{key} cannot be read: {exc}") from exc
-            yield path, digest
+            yield path, h.hexdigest()
 
     def promote_staged(self, key: str, digest: str) -> None:
-        self.copy_staged(key, digest)
-
-    def copy_staged(self, key: str, digest: str) -> None:
-        """Give a verified upload its content-addressed name (a copy inside the bucket: no bytes leave it).
-        Idempotent: a second executor finds it done."""
+        """A copy inside the bucket: no bytes leave it."""
         if not self.exists(digest):
             self.client.copy_object(
                 Bucket=self.bucket, Key=self.key(digest), CopySource={"Bucket": self.bucket, "Key": key}
@@ -420,6 +399,16 @@ class S3BlobStore:
     def iter_verified(self, digest: str) -> Iterator[bytes]:
         body = self._body(digest)
         yield from _verify_chunks(digest, body.iter_chunks(CHUNK))
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    """A second name for a file (a copy where the file system has no hard links)."""
+    try:
+        os.link(src, dest)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        shutil.copyfile(src, dest)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -42,15 +42,20 @@ def named(headers: dict[str, str], digest: str) -> dict[str, str]:
     return {**headers, H_SHA: digest}
 
 
+def leased_body(client: TestClient, name: str) -> tuple[dict[str, Any], dict[str, str], bytes]:
+    """A new island's lease, its headers and the upload it trained."""
+    island_id, h = join(client, name)
+    lb = lease(client, island_id, h)
+    assert lb is not None
+    return lb, h, encode(train_lease(client, lb, h))
+
+
 def one_round(client: TestClient, run: dict[str, Any], *, lie_on: int | None = None) -> dict[int, bytes]:
     """Every path of round 0 uploads with its sha256 named; path `lie_on` names a sha256 its bytes do not have.
     Returns each lease's body."""
     bodies: dict[int, bytes] = {}
     for p in range(run["num_paths"]):
-        island_id, h = join(client, f"island-{p}")
-        lb = lease(client, island_id, h)
-        assert lb is not None
-        body = encode(train_lease(client, lb, h))
+        lb, h, body = leased_body(client, f"island-{p}")
         digest = hashlib.sha256(body).hexdigest()
         if p == lie_on:
             digest = hashlib.sha256(body + b"other").hexdigest()
@@ -108,10 +113,7 @@ def test_a_named_upload_that_lies_about_its_hash_is_refused_before_any_math(
 
 def test_a_malformed_hash_header_is_refused_and_changes_nothing(client: TestClient, settings: Settings) -> None:
     run = create_running_run(client, name="malformed")
-    island_id, h = join(client, "a")
-    lb = lease(client, island_id, h)
-    assert lb is not None
-    body = encode(train_lease(client, lb, h))
+    lb, h, body = leased_body(client, "a")
     before = snapshot(settings)
     for bad in ("abc", "A" * 64, hashlib.sha256(body).hexdigest() + "0", "g" * 64):
         r = upload(client, lb, named(h, bad), body)
@@ -131,10 +133,7 @@ def test_a_malformed_hash_header_is_refused_and_changes_nothing(client: TestClie
 
 def test_a_replayed_named_upload_is_the_same_contribution(client: TestClient, settings: Settings) -> None:
     run = create_running_run(client, name="replay")
-    island_id, h = join(client, "a")
-    lb = lease(client, island_id, h)
-    assert lb is not None
-    body = encode(train_lease(client, lb, h))
+    lb, h, body = leased_body(client, "a")
     headers = named(h, hashlib.sha256(body).hexdigest())
     first = upload(client, lb, headers, body)
     again = upload(client, lb, headers, body)

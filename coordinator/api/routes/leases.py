@@ -100,6 +100,8 @@ async def upload_outer_gradients(
             request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir, digest=claimed is None
         )
         state.metrics.bytes_in.labels(kind="outer_gradient").inc(body.size)
+        digest = claimed if claimed is not None else body.sha256
+        assert digest is not None  # spooled with digest=True when none was named
         upload = Upload(
             lease_id=lease_id,
             island_id=principal.island_id,
@@ -108,7 +110,7 @@ async def upload_outer_gradients(
             train_loss=loss,
             heldout_loss=heldout,
             body=body.path,
-            body_sha256=claimed or body.sha256 or "",
+            body_sha256=digest,
             size=body.size,
             hashed=claimed is None,
         )
