@@ -34,7 +34,7 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_async.py [--quick] [--budget-s 180] [--inner-steps 30]
         [--min-inner-steps 10] [--max-inner-steps 60] [--batch-size 16] [--points 6] [--eval-docs 200] [--seed 0]
         [--slow-factor 3] [--parts 1,2,3] [--modes round,async,hybrid] [--damping inverse|inverse_square|none]
-        [--max-staleness S] [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
+        [--max-staleness S] [--path-leases N] [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
 
 The defaults take ~15-20 minutes on 2 cores, `--quick` (20 s per mode, H 10) ~3.5 minutes: a smoke test whose
 numbers are dominated by per-lease overheads.
@@ -117,6 +117,8 @@ class Config:
     """The async levels' `staleness_damping` (1/(1+s), 1/(1+s)^2, or none)."""
     max_staleness: int | None = None
     """The run's `max_staleness` for async levels (None: the run default)."""
+    path_leases: int = 1
+    """The async run's `path_leases` (path sharing: leases that may train one path at once)."""
 
 
 # ------------------------------------------------------------------------------------------ signals from outside
@@ -278,6 +280,7 @@ def run_spec(mode: str, layout: str, cfg: Config) -> RunCreate:
     }
     if mode == "async":  # dynamic local updates are for all-async runs only
         spec |= {"min_inner_steps": cfg.min_inner_steps, "max_inner_steps": cfg.max_inner_steps}
+        spec["path_leases"] = cfg.path_leases
     if mode != "round":
         spec["staleness_damping"] = cfg.damping
         if cfg.max_staleness is not None:
@@ -570,6 +573,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         "--damping", choices=("inverse", "inverse_square", "none"), default="inverse", help="async staleness damping"
     )
     parser.add_argument("--max-staleness", type=int, default=None, help="async levels (default: the run default)")
+    parser.add_argument(
+        "--path-leases", type=int, default=1, help="the async run's path_leases (path sharing; default 1: off)"
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")
     args = parser.parse_args(argv)
@@ -594,6 +600,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         modes=modes,
         damping=args.damping,
         max_staleness=args.max_staleness,
+        path_leases=args.path_leases,
     )
     return config, args.out, args.workdir
 
@@ -616,7 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{two_by_two.layout}; debug; {ISLANDS} islands, the last one {cfg.slow_factor:g}x slow; "
         f"{cfg.budget_s:g} s per mode; H {cfg.inner_steps} (async {cfg.min_inner_steps}..{cfg.max_inner_steps}), "
         f"batch {cfg.batch_size}; seed {cfg.seed}; parts {','.join(map(str, sorted(cfg.parts)))}; "
-        f"modes {','.join(cfg.modes)}; damping {cfg.damping}; max_staleness {cfg.max_staleness}"
+        f"modes {','.join(cfg.modes)}; damping {cfg.damping}; max_staleness {cfg.max_staleness}; "
+        f"path_leases {cfg.path_leases}"
     )
     print(f"logs and registries: {rundir}")
 

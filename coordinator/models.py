@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Enum,
     Float,
@@ -18,6 +19,7 @@ from sqlalchemy import (
     MetaData,
     String,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -229,6 +231,12 @@ class Lease(Base):
     issued_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
     inner_steps: Mapped[int | None] = mapped_column(Integer, comment="H of this lease; NULL: the run's")
+    shared: Mapped[bool] = mapped_column(
+        Boolean,
+        default=False,
+        server_default=false(),
+        comment="Issued on a path another lease held (async path sharing): not its island's home path",
+    )
 
 
 class Contribution(Base):

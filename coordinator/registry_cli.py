@@ -174,7 +174,7 @@ def islands(
         found = rows(client.islands())
         leases: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for lease in rows(client.leases(status=LeaseStatus.ACTIVE)):
-            leases[lease["island_id"]].append({k: lease[k] for k in ("id", "run_id", "round", "path_index")})
+            leases[lease["island_id"]].append({k: lease[k] for k in ("id", "run_id", "round", "path_index", "shared")})
         for island in found:
             island["leases"] = sorted(leases[island["id"]], key=lambda x: x["id"])
         return found
@@ -183,7 +183,8 @@ def islands(
     if not json_:
         for island in found:  # the table's rendering of "leases"
             island["lease"] = ", ".join(
-                f"run {x['run_id']} round {x['round']} path {x['path_index']}" for x in island["leases"]
+                f"run {x['run_id']} round {x['round']} path {x['path_index']}" + (" (shared)" if x["shared"] else "")
+                for x in island["leases"]
             )
     show("islands", found, json_)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 from sqlalchemy import Select, and_, case, func, literal, or_, select, update
 from sqlalchemy.orm import Session
@@ -45,6 +44,7 @@ from coordinator.models import (
 from coordinator.schemas import LeaseHeldout, LeaseModule, LeasePublic, LeaseShard
 from coordinator.services.events import ExpiredLease, add_lease_expiries
 from coordinator.services.runs import inner_step_bounds, tokens_per_lease
+from coordinator.services.sharing import Span, home_paths, live_islands, plan_lease, stepping, wrap_range
 from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, RoundStatus, RunStatus, StepStatus
 from coordinator.timeutil import as_utc
 from coordinator.wakeups import WorkSignal
@@ -175,67 +175,20 @@ def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity:
     )
     query = select(Path).where(Path.run_id == rnd.run_id, Path.id.not_in(busy))
     if rnd.schedule != "round":
-        query = query.where(~_stepping(Path.id))
+        query = query.where(~stepping(Path.id))
     opened = rnd.opened_at
     if affinity.reserve_s > 0 and opened is not None and now < opened + timedelta(seconds=affinity.reserve_s):
-        others = _live_islands(island_id, now, affinity)
+        others = live_islands(island_id, now, affinity.live_s)
         query = query.where(or_(Path.last_island_id.is_(None), Path.last_island_id.not_in(others)))
     warm_first = case((Path.last_island_id == island_id, 0), else_=1)
     return query.order_by(warm_first, Path.index).limit(1)
 
 
-def _stepping(path_id: object) -> Any:
-    """Whether a module of the path has a step waiting for (or in) an executor: a lease then would train from
-    weights about to change (held back until the step commits, which takes well under a lease's time)."""
-    return (
-        select(ModuleStep.id)
-        .join(PathModule, PathModule.module_id == ModuleStep.module_id)
-        .where(PathModule.path_id == path_id, ModuleStep.status != StepStatus.DONE)
-        .exists()
-    )
-
-
-def _latest_path(run_id: int, islands: Any) -> Select[int]:
-    """The path of the latest lease in the run of each island in `islands` (a select of island ids)."""
-    latest = (
-        select(func.max(Lease.id)).where(Lease.run_id == run_id, Lease.island_id.in_(islands)).group_by(Lease.island_id)
-    )
-    return select(Lease.path_id).where(Lease.id.in_(latest))
-
-
-def _free_async_path_query(
-    rnd: OpenRound, island_id: int, *, now: datetime, budget: int, affinity: Affinity
-) -> Select[Path]:
-    """Paths of an all-async run that are free for this island: not leased, budget not spent, no module being
-    stepped, and (affinity on) not the latest path of another live island, which keeps it between two of its
-    leases (its AdamW state and error-feedback residual live there); its warm path first, then the path that
-    trained least, then by index."""
-    busy = select(Lease.path_id).where(
-        Lease.run_id == rnd.run_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now
-    )
-    query = select(Path).where(
-        Path.run_id == rnd.run_id, Path.id.not_in(busy), Path.steps_done < budget, ~_stepping(Path.id)
-    )
-    if affinity.reserve_s > 0:
-        query = query.where(Path.id.not_in(_latest_path(rnd.run_id, _live_islands(island_id, now, affinity))))
-    warm_first = case((Path.last_island_id == island_id, 0), else_=1)
-    return query.order_by(warm_first, Path.steps_done, Path.index).limit(1)
-
-
-def _live_islands(island_id: int, now: datetime, affinity: Affinity) -> Select[int]:
-    """Other islands that are active and heartbeated within `affinity.live_s`."""
-    return select(Island.id).where(
-        Island.id != island_id,
-        Island.status == IslandStatus.ACTIVE,
-        Island.last_heartbeat >= now - timedelta(seconds=affinity.live_s),
-    )
-
-
 def _own_path_stepping(session: Session, run_id: int, island_id: int, budget: int) -> bool:
-    """Whether the island's latest path in the run still has steps to train but waits for a module step: the
+    """Whether the island's home path in the run still has steps to train but waits for a module step: the
     island then waits for it (well under a lease's time) rather than taking another path cold."""
-    own = _latest_path(run_id, select(literal(island_id))).scalar_subquery()
-    held = select(Path.id).where(Path.id == own, Path.steps_done < budget, _stepping(Path.id))
+    own = home_paths(run_id, select(literal(island_id))).scalar_subquery()
+    held = select(Path.id).where(Path.id == own, Path.steps_done < budget, stepping(Path.id))
     return session.scalar(held) is not None
 
 
@@ -288,15 +241,19 @@ def acquire_lease(
 def _acquire_free(
     session: Session, island_id: int, rnd: OpenRound, *, now: datetime, max_leases: int, affinity: Affinity
 ) -> tuple[LeasePublic, int] | None:
-    """A lease of an all-async run (committed): the same probe-then-lock as a round's, on the path's own count.
-    With affinity on, an island whose own path waits for a module step waits too (`_own_path_stepping`)."""
-    budget = session.scalar(select(Run.num_rounds * Run.inner_steps).where(Run.id == rnd.run_id))
-    if budget is None:
+    """A lease of an all-async run (committed): the same probe-then-lock as a round's, on the path's own count
+    (`sharing.plan_lease` chooses the path and span). With affinity on, an island whose home path waits for a
+    module step waits too (`_own_path_stepping`)."""
+    run = session.get(Run, rnd.run_id)
+    if run is None:
         return None
+    budget = run.num_rounds * run.inner_steps
     if affinity.reserve_s > 0 and _own_path_stepping(session, rnd.run_id, island_id, budget):
         return None
-    probe = _free_async_path_query(rnd, island_id, now=now, budget=budget, affinity=affinity).with_only_columns(Path.id)
-    if session.scalar(probe) is None:
+    reserve = affinity.live_s if affinity.reserve_s > 0 else None
+    wanted = lease_steps(session, run, island_id)
+    if plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, reserve=reserve) is None:
+        session.rollback()
         return None
     run = session.scalar(
         select(Run).where(Run.id == rnd.run_id).with_for_update().execution_options(populate_existing=True)
@@ -305,13 +262,13 @@ def _acquire_free(
         session.rollback()
         return None
     expired = expire_stale_leases(session, now=now, run_id=run.id)
-    path = session.scalar(_free_async_path_query(rnd, island_id, now=now, budget=budget, affinity=affinity))
-    if path is None:
+    planned = plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, reserve=reserve)
+    if planned is None:
         session.rollback()
         return None
     _check_capacity(session, island_id, now=now, max_leases=max_leases)
-    steps = min(lease_steps(session, run, island_id), budget - path.steps_done)
-    lease = _issue(session, run, path, island_id, now=now, round_=path.leases_done, steps=steps)
+    path, span = planned
+    lease = _issue(session, run, path, island_id, now=now, span=span)
     session.commit()
     return lease, expired
 
@@ -424,15 +381,9 @@ def next_change(session: Session, rounds: list[OpenRound], *, now: datetime, aff
     return min(times, default=None)
 
 
-def _token_range(run: Run, path: Path, num_tokens: int, steps: int | None) -> tuple[int, int, int]:
-    """(start, end, epoch) of the path's next lease of `steps` inner steps (None: the run's H): its data cursor,
-    wrapping into a new epoch."""
-    need = tokens_per_lease(run, steps)
-    start, epoch = path.token_offset, path.epoch
-    if start + need > num_tokens:
-        # The rest of the shard is too short for a full lease: start the next epoch from the beginning.
-        start, epoch = 0, epoch + 1
-    return start, start + need, epoch
+def _token_range(run: Run, path: Path, num_tokens: int) -> tuple[int, int, int]:
+    """(start, end, epoch) of the path's next lease of the run's H: its data cursor, wrapping into a new epoch."""
+    return wrap_range(path.token_offset, path.epoch, tokens_per_lease(run), num_tokens)
 
 
 SHARD_VIEW = (Shard.id, Shard.tokens_hash, Shard.num_tokens, Shard.heldout_hash, Shard.heldout_tokens)
@@ -485,26 +436,30 @@ def _new_lease(
     status: LeaseStatus,
     expires: datetime,
     now: datetime,
-    round_: int | None = None,
-    steps: int | None = None,
+    span: Span | None = None,
 ) -> Lease:
-    """A lease on the path's next token range of a shard of `num_tokens`, for modules at `base_versions`; its
-    round is the run's current one (an all-async run: `round_`, the path's own count), its H the run's unless
-    `steps` says otherwise."""
-    start, end, epoch = _token_range(run, path, num_tokens, steps)
+    """A lease for modules at `base_versions`: on the path's next token range of a shard of `num_tokens`, in the
+    run's current round, with the run's H; or (an all-async run) on `span` (`sharing.plan_lease`)."""
+    if span is None:
+        start, end, epoch = _token_range(run, path, num_tokens)
+        span = Span(start, end, epoch, run.current_round, run.inner_steps, run.current_round * run.inner_steps, False)
+        steps = None
+    else:
+        steps = span.steps
     return Lease(
         run_id=run.id,
         island_id=island_id,
         path_id=path.id,
-        round=run.current_round if round_ is None else round_,
+        round=span.round,
         status=status,
         base_versions=base_versions,
-        token_start=start,
-        token_end=end,
-        epoch=epoch,
+        token_start=span.start,
+        token_end=span.end,
+        epoch=span.epoch,
         issued_at=now,
         expires_at=expires,
         inner_steps=steps,
+        shared=span.shared,
     )
 
 
@@ -514,7 +469,11 @@ def _public(
     lease: Lease,
     shard: tuple[LeaseShard, LeaseHeldout | None],
     modules: list[LeaseModule],
+    first_step: int | None = None,
 ) -> LeasePublic:
+    """The lease as its island sees it; `first_step` defaults to the round's (an all-async run: the path's)."""
+    if first_step is None:
+        first_step = path.steps_done if run.schedule == "async" else lease.round * run.inner_steps
     return LeasePublic(
         lease_id=lease.id,
         run_id=run.id,
@@ -524,7 +483,7 @@ def _public(
         model=run.config["model"],
         inner=run.config["inner"],
         inner_steps=lease.inner_steps or run.inner_steps,
-        first_step=path.steps_done if run.schedule == "async" else lease.round * run.inner_steps,
+        first_step=first_step,
         modules=modules,
         shard=shard[0],
         heldout=shard[1],
@@ -546,8 +505,7 @@ def _issue(
     island_id: int,
     *,
     now: datetime,
-    round_: int | None = None,
-    steps: int | None = None,
+    span: Span | None = None,
 ) -> LeasePublic:
     shard, modules = _shard(session, run, path.index), _modules(session, path.id)
     expires = now + timedelta(seconds=run.lease_ttl_s)
@@ -561,12 +519,11 @@ def _issue(
         status=LeaseStatus.ACTIVE,
         expires=expires,
         now=now,
-        round_=round_,
-        steps=steps,
+        span=span,
     )
     session.add(lease)
     session.flush()
-    return _public(run, path, lease, shard, modules)
+    return _public(run, path, lease, shard, modules, None if span is None else span.first_step)
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,6 +84,11 @@ def schedule_of(modes: list[str]) -> str:
     return "hybrid" if "async" in modes else "round"
 
 
+def path_leases(run: Run) -> int:
+    """Leases that may train one path of the run at once (`RunCreate.path_leases`; runs before it: 1)."""
+    return int(run.config.get("schedule", {}).get("path_leases", 1))
+
+
 def inner_step_bounds(run: Run) -> tuple[int, int]:
     """(min, max) H of a lease: dynamic local updates when they differ."""
     schedule = run.config.get("schedule", {})
@@ -125,6 +130,11 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
             "min_inner_steps/max_inner_steps (dynamic local updates) need every level async: set sync to async "
             "and drop the ':round' levels of the layout"
         )
+    if spec.path_leases > 1 and "round" in modes:
+        raise Invalid(
+            f"path_leases ({spec.path_leases}) > 1 (path sharing) needs every level async: set sync to async and "
+            "drop the ':round' levels of the layout"
+        )
     if 0 < spec.heldout_tokens <= cfg.seq_len:
         raise Invalid(
             f"heldout_tokens ({spec.heldout_tokens}) must be 0 (keep no held-out slices) or at least one scoring "
@@ -145,6 +155,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
             "dn_period": spec.dn_period,
             "min_inner_steps": spec.min_inner_steps,
             "max_inner_steps": spec.max_inner_steps,
+            "path_leases": spec.path_leases,
         },
     }
     run = Run(

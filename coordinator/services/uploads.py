@@ -43,6 +43,7 @@ from coordinator.services.payloads import Payload, header_cap, header_length, va
 from coordinator.services.periods import budget_spent, finish_if_done, flush_periods, make_due
 from coordinator.services.rounds import round_closed
 from coordinator.services.runs import run_layout, run_model_config, run_schedule
+from coordinator.services.sharing import advance_cursor, reissued
 from coordinator.states import ContributionStatus, LeaseStatus, RoundStatus, RunStatus
 from modules import Layout, ModelConfig, OuterConfig
 
@@ -147,7 +148,7 @@ class UploadDesk:
             if lease.island_id != island_id:
                 raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
             run = session.get_one(Run, lease.run_id)
-            _check_lease(run, lease, None, _prior_contribution(session, lease), _round_status(session, lease))
+            _check_lease(session, run, lease, None, _prior_contribution(session, lease))
         key = self._blobs.staging_key(f"{lease_id}-{request.sha256}")
         expires = self._clock() + timedelta(seconds=self._presign_expiry_s)
         return UploadTicket(
@@ -292,7 +293,7 @@ def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
     if upload.heldout_loss is not None and not (math.isfinite(upload.heldout_loss) and upload.heldout_loss >= 0):
         raise Invalid(f"held-out loss must be finite and >= 0, got {upload.heldout_loss}")
     run = session.get_one(Run, lease.run_id)
-    _check_lease(run, lease, upload.round, prior, _round_status(session, lease))
+    _check_lease(session, run, lease, upload.round, prior)
     return _Checked(
         run_id=lease.run_id,
         cfg=run_model_config(run),
@@ -340,7 +341,7 @@ def _record(
     if prior is not None and prior.lease_id == upload.lease_id:
         session.rollback()
         return Submitted(prior, False, _path_index(session, lease))
-    _check_lease(run, lease, upload.round, prior, _round_status(session, lease))
+    _check_lease(session, run, lease, upload.round, prior)
     staged_key = upload.staged_key
     if upload.body is not None and not upload.hashed:
         staged_key = blobs.staging_key(f"{lease.id}-{upload.body_sha256}")
@@ -384,12 +385,17 @@ def _record(
         for level_index, prefix in payload.prefixes.items()
     )
     lease.status = LeaseStatus.SUBMITTED
+    if run.schedule == "async":  # leases may share the path: the cursor moves over what came in order
+        session.flush()
+        epoch, offset = advance_cursor(session, lease.path_id, now=now)
+    else:
+        epoch, offset = lease.epoch, lease.token_end - 1  # the last target token is the next range's first input
     path_index = session.execute(
         update(Path)
         .where(Path.id == lease.path_id)
         .values(
-            token_offset=lease.token_end - 1,  # the last target token is the next range's first input
-            epoch=lease.epoch,
+            token_offset=offset,
+            epoch=epoch,
             tokens_trained=Path.tokens_trained + upload.tokens,
             last_train_loss=upload.train_loss,
             last_island_id=upload.island_id,
@@ -423,11 +429,12 @@ def _round_status(session: Session, lease: Lease) -> RoundStatus | None:
 
 
 def _check_lease(
-    run: Run, lease: Lease, round_header: int | None, prior: Contribution | None, round_status: RoundStatus | None
+    session: Session, run: Run, lease: Lease, round_header: int | None, prior: Contribution | None
 ) -> None:
     """The lease may still deliver: its round is the run's current one and still open (an all-async run: the
-    run is running), it was not released, its path has no contribution for the round yet (`prior`, from another
-    lease)."""
+    run is running, and when the lease expired, its token range was not issued again), it was not released, its
+    path has no contribution for the round yet (`prior`, from another lease)."""
+    round_status = _round_status(session, lease)
     if round_header is not None and round_header != lease.round:
         raise Conflict(f"upload is for round {round_header}, lease {lease.id} was issued for round {lease.round}")
     if run.schedule == "async":
@@ -445,6 +452,11 @@ def _check_lease(
         )
     if lease.status == LeaseStatus.RELEASED:
         raise Conflict(f"lease {lease.id} was released; ask for a new lease")
+    holder = reissued(session, lease) if run.schedule == "async" else None
+    if holder is not None:
+        raise Conflict(
+            f"lease {lease.id} expired and its token range was issued again (lease {holder}); ask for a new lease"
+        )
     if prior is not None:
         raise Conflict(
             f"path of lease {lease.id} already has a contribution for round {lease.round} (lease {prior.lease_id})"

@@ -179,6 +179,8 @@ def test_a_hybrid_run_steps_async_levels_on_arrival_and_the_rest_per_round(
         ({"sync": "sometimes"}, "sync"),
         ({"max_staleness": -1}, "max_staleness"),
         ({"dn_period": 0}, "dn_period"),
+        ({"path_leases": 2}, "path sharing) needs every level async"),
+        ({"sync": "async", "path_leases": 0}, "path_leases"),
     ],
 )
 def test_bad_async_settings_are_refused_with_422(client: TestClient, spec: dict[str, Any], message: str) -> None:

@@ -91,7 +91,7 @@ def test_islands_show_their_current_lease(client: TestClient, tmp_path: Path) ->
     result = runner.invoke(app, ["registry", "islands", "--json", "--token", ADMIN], obj=client)
     rows = {row["name"]: row for row in json.loads(result.stdout)["data"]}
     assert rows["busy"]["leases"] == [
-        {"id": lease.lease_id, "run_id": run_id, "round": 0, "path_index": lease.path_index}
+        {"id": lease.lease_id, "run_id": run_id, "round": 0, "path_index": lease.path_index, "shared": False}
     ]
     assert rows["idle"]["leases"] == [] and "lease" not in rows["idle"]
 

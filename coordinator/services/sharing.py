@@ -1,0 +1,287 @@
+"""Which path an island of an all-async run trains next, and a path's data cursor when leases share it.
+
+An island's *home path* is the path of its latest lease in the run that was not shared: its inner AdamW state
+and error-feedback residual live there, so it keeps it between two of its leases (with affinity on, no other
+island takes a free home path of a live island).
+
+With `path_leases` > 1 (`RunCreate.path_leases`, path sharing), up to that many leases train one path at once,
+each on its own token range, all from the path's modules at their current versions (their contributions meet
+in the modules' Delayed Nesterov periods, damped by their staleness like any other). An island whose home path
+is ahead of another path by more than one lease of its own (inner steps accepted or leased) takes a shared lease
+on that path, so a path held by a slow island no longer gets that island's tokens only.
+
+Cursor. `Path.epoch` and `Path.token_offset` stay the end of the path's contiguous trained prefix. Leases past
+it (pending, or accepted out of order) are *claims*: a new lease starts after the last claim, and an upload moves
+the cursor over the accepted claims that continue it, in order (`advance_cursor`). A range given back (expired,
+released) leaves a gap before the next claim, which is issued again first, as it was (same range, H and round
+number, so a late upload of the old lease and the new one cannot both be accepted): every token range is still
+trained once per epoch. A shared lease never starts a new epoch: a path whose next range would wrap waits until
+its claims are done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Select, and_, func, literal, or_, select
+from sqlalchemy.orm import Session
+
+from coordinator.models import Island, Lease, ModuleStep, Path, PathModule, Run, Shard
+from coordinator.services.runs import path_leases, tokens_per_lease
+from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, StepStatus
+
+
+def stepping(path_id: object) -> Any:
+    """Whether a module of the path has a step waiting for (or in) an executor: a lease then would train from
+    weights about to change (held back until the step commits, which takes well under a lease's time)."""
+    return (
+        select(ModuleStep.id)
+        .join(PathModule, PathModule.module_id == ModuleStep.module_id)
+        .where(PathModule.path_id == path_id, ModuleStep.status != StepStatus.DONE)
+        .exists()
+    )
+
+
+def live_islands(island_id: int, now: datetime, live_s: float) -> Select[tuple[int]]:
+    """Other islands that are active and heartbeated within `live_s`."""
+    return select(Island.id).where(
+        Island.id != island_id,
+        Island.status == IslandStatus.ACTIVE,
+        Island.last_heartbeat >= now - timedelta(seconds=live_s),
+    )
+
+
+def home_paths(run_id: int, islands: Any) -> Select[tuple[int]]:
+    """The home path in the run of each island in `islands` (a select of island ids): the path of its latest
+    lease that was not shared."""
+    latest = (
+        select(func.max(Lease.id))
+        .where(Lease.run_id == run_id, Lease.island_id.in_(islands), Lease.shared.is_(False))
+        .group_by(Lease.island_id)
+    )
+    return select(Lease.path_id).where(Lease.id.in_(latest))
+
+
+def home_path(session: Session, run_id: int, island_id: int) -> int | None:
+    return session.scalar(home_paths(run_id, select(literal(island_id))))
+
+
+def wrap_range(offset: int, epoch: int, need: int, num_tokens: int) -> tuple[int, int, int]:
+    """(start, end, epoch) of a range of `need` tokens from the cursor; when the rest of the shard is too short
+    for it, from the start of the next epoch."""
+    if offset + need > num_tokens:
+        offset, epoch = 0, epoch + 1
+    return offset, offset + need, epoch
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A lease past its path's cursor that holds its token range: pending, or accepted out of order."""
+
+    epoch: int
+    start: int
+    end: int
+    submitted: bool
+
+    def continues(self, epoch: int, offset: int) -> bool:
+        """Whether it starts where the cursor stands (the last target token of a range is the next one's first
+        input), or at the start of a later epoch (the rest of the cursor's epoch was too short for a lease)."""
+        return (self.epoch == epoch and self.start == offset) or (self.epoch > epoch and self.start == 0)
+
+
+def _claims(session: Session, path: Path, *, now: datetime, submitted_only: bool = False) -> list[Claim]:
+    holding = Lease.status == LeaseStatus.SUBMITTED
+    if not submitted_only:
+        holding = or_(holding, and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now))
+    rows = session.execute(
+        select(Lease.epoch, Lease.token_start, Lease.token_end, Lease.status)
+        .where(
+            Lease.path_id == path.id,
+            holding,
+            or_(Lease.epoch > path.epoch, and_(Lease.epoch == path.epoch, Lease.token_start >= path.token_offset)),
+        )
+        .order_by(Lease.epoch, Lease.token_start)
+    ).all()
+    return [Claim(epoch, start, end, status == LeaseStatus.SUBMITTED) for epoch, start, end, status in rows]
+
+
+def _walk(epoch: int, offset: int, claims: list[Claim]) -> tuple[int, int, Claim | None]:
+    """The cursor moved over the claims that continue it, in order, and the first claim that does not (a gap
+    lies before it), or None."""
+    for claim in claims:
+        if not claim.continues(epoch, offset):
+            return epoch, offset, claim
+        epoch, offset = claim.epoch, claim.end - 1
+    return epoch, offset, None
+
+
+def advance_cursor(session: Session, path_id: int, *, now: datetime) -> tuple[int, int]:
+    """(epoch, token_offset) of the path once its accepted claims are counted (the caller has just marked one
+    submitted, flushed): the row is locked first, so two uploads on one path advance it one after the other."""
+    path = session.scalar(
+        select(Path).where(Path.id == path_id).with_for_update().execution_options(populate_existing=True)
+    )
+    assert path is not None
+    claims = _claims(session, path, now=now, submitted_only=True)
+    epoch, offset, _ = _walk(path.epoch, path.token_offset, claims)
+    return epoch, offset
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A lease's place on its path: token range, epoch, round number (unique per path), H, first global step."""
+
+    start: int
+    end: int
+    epoch: int
+    round: int
+    steps: int
+    first_step: int
+    shared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    path_id: int
+    index: int
+    held: int
+    progress: int
+    """Inner steps accepted or leased."""
+    home: bool
+
+
+def plan_lease(
+    session: Session,
+    run: Run,
+    island_id: int,
+    *,
+    now: datetime,
+    budget: int,
+    wanted: int,
+    reserve: float | None,
+) -> tuple[Path, Span] | None:
+    """The path and span of the island's next lease in an all-async run, or None when no path may take one.
+
+    A path may take a lease while its inner steps (accepted or leased) are under `budget`, no module of it is
+    stepping, and fewer than `path_leases` leases hold it; a free path that is another live island's home
+    (within `reserve` seconds of heartbeat; None: no reservation) is kept for it. The island's home path comes
+    first, unless a held path is behind it by more than `wanted` steps (one lease of the island), then the
+    path that trained least; without a usable home, free paths before held ones."""
+    share = path_leases(run)
+    held = {
+        path_id: (int(count), int(steps))
+        for path_id, count, steps in session.execute(
+            select(Lease.path_id, func.count(), func.sum(func.coalesce(Lease.inner_steps, run.inner_steps)))
+            .where(Lease.run_id == run.id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now)
+            .group_by(Lease.path_id)
+        )
+    }
+    home = home_path(session, run.id, island_id)
+    reserved = (
+        set() if reserve is None else set(session.scalars(home_paths(run.id, live_islands(island_id, now, reserve))))
+    )
+    candidates = []
+    for path_id, index, done in session.execute(
+        select(Path.id, Path.index, Path.steps_done)
+        .where(Path.run_id == run.id, Path.steps_done < budget, ~stepping(Path.id))
+        .order_by(Path.index)
+    ):
+        count, steps = held.get(path_id, (0, 0))
+        if count >= share or done + steps >= budget or (count == 0 and path_id != home and path_id in reserved):
+            continue
+        candidates.append(_Candidate(path_id, index, count, done + steps, path_id == home))
+    home_usable = any(c.home for c in candidates)
+
+    def order(c: _Candidate) -> tuple[int, int, int]:
+        if c.home:
+            return c.progress, 0, c.index
+        if c.held:
+            return c.progress + wanted, 1, c.index  # helping: only when behind the home path by a lease
+        return c.progress, 1, c.index
+
+    for candidate in sorted((c for c in candidates if c.home or c.held or not home_usable), key=order):
+        path = session.get_one(Path, candidate.path_id)
+        span = _span(session, run, path, candidate, now=now, budget=budget, wanted=wanted)
+        if span is not None:
+            return path, span
+    return None
+
+
+def _span(
+    session: Session, run: Run, path: Path, candidate: _Candidate, *, now: datetime, budget: int, wanted: int
+) -> Span | None:
+    """The path's next span: the first gap before its claims, else the range after them (None: it would start
+    a new epoch while claims are out)."""
+    claims = _claims(session, path, now=now)
+    epoch, offset, blocker = _walk(path.epoch, path.token_offset, claims)
+    shared = candidate.held > 0
+    if blocker is not None:
+        return _gap(session, run, path, epoch, offset, blocker, now=now, shared=shared)
+    steps = min(wanted, budget - candidate.progress)
+    need = tokens_per_lease(run, steps)
+    num_tokens = session.scalar(select(Shard.num_tokens).where(Shard.run_id == run.id, Shard.path_index == path.index))
+    assert num_tokens is not None
+    if claims and offset + need > num_tokens:
+        return None
+    start, end, epoch = wrap_range(offset, epoch, need, num_tokens)
+    return Span(start, end, epoch, _new_round(session, path), steps, candidate.progress, shared)
+
+
+def _gap(
+    session: Session, run: Run, path: Path, epoch: int, offset: int, blocker: Claim, *, now: datetime, shared: bool
+) -> Span | None:
+    """The range given back before `blocker`, issued again as it was."""
+    if blocker.epoch == epoch:
+        start, gap_epoch = offset, epoch
+    else:
+        start, gap_epoch = 0, blocker.epoch
+    end = blocker.start + 1
+    given_back = session.execute(
+        select(Lease.round, Lease.inner_steps)
+        .where(Lease.path_id == path.id, Lease.epoch == gap_epoch, Lease.token_start == start, Lease.token_end == end)
+        .where(
+            or_(
+                Lease.status.in_((LeaseStatus.EXPIRED, LeaseStatus.RELEASED)),
+                and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at < now),  # not marked expired yet
+            )
+        )
+        .order_by(Lease.id.desc())
+        .limit(1)
+    ).first()
+    if given_back is None:
+        return None  # not a range this path issued (cannot happen): leave the path alone rather than guess
+    round_, steps = given_back
+    return Span(start, end, gap_epoch, round_, steps or run.inner_steps, path.steps_done, shared)
+
+
+def _new_round(session: Session, path: Path) -> int:
+    """A round number no pending or accepted lease of the path has: the path's count of accepted leases when
+    they came in order (as before path sharing), else one past the highest."""
+    highest = session.scalar(
+        select(func.max(Lease.round)).where(
+            Lease.path_id == path.id, Lease.status.in_((*PENDING_LEASES, LeaseStatus.SUBMITTED))
+        )
+    )
+    return path.leases_done if highest is None else max(path.leases_done, highest + 1)
+
+
+def reissued(session: Session, lease: Lease) -> int | None:
+    """The lease that holds (pending, or accepted) part of an expired lease's token range, issued after it; such
+    an expired lease may no longer deliver (its range would be trained twice)."""
+    if lease.status != LeaseStatus.EXPIRED:
+        return None
+    return session.scalar(
+        select(Lease.id)
+        .where(
+            Lease.path_id == lease.path_id,
+            Lease.id > lease.id,
+            Lease.epoch == lease.epoch,
+            Lease.token_start < lease.token_end - 1,
+            Lease.token_end - 1 > lease.token_start,
+            Lease.status.in_((*PENDING_LEASES, LeaseStatus.SUBMITTED)),
+        )
+        .order_by(Lease.id)
+        .limit(1)
+    )
