@@ -117,8 +117,9 @@ class Config:
     """The async levels' `staleness_damping` (1/(1+s), 1/(1+s)^2, or none)."""
     max_staleness: int | None = None
     """The run's `max_staleness` for async levels (None: the run default)."""
-    path_leases: int = 1
-    """The async run's `path_leases` (path sharing: leases that may train one path at once)."""
+    path_leases: int | None = None
+    """The async run's `path_leases` (path sharing: leases that may train one path at once; None: the run
+    default, 2)."""
 
 
 # ------------------------------------------------------------------------------------------ signals from outside
@@ -280,7 +281,8 @@ def run_spec(mode: str, layout: str, cfg: Config) -> RunCreate:
     }
     if mode == "async":  # dynamic local updates are for all-async runs only
         spec |= {"min_inner_steps": cfg.min_inner_steps, "max_inner_steps": cfg.max_inner_steps}
-        spec["path_leases"] = cfg.path_leases
+        if cfg.path_leases is not None:
+            spec["path_leases"] = cfg.path_leases
     if mode != "round":
         spec["staleness_damping"] = cfg.damping
         if cfg.max_staleness is not None:
@@ -574,7 +576,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
     )
     parser.add_argument("--max-staleness", type=int, default=None, help="async levels (default: the run default)")
     parser.add_argument(
-        "--path-leases", type=int, default=1, help="the async run's path_leases (path sharing; default 1: off)"
+        "--path-leases", type=int, default=None, help="the async run's path_leases (default: the run's, 2; 1: off)"
     )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")

@@ -231,6 +231,9 @@ class Lease(Base):
     issued_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
     inner_steps: Mapped[int | None] = mapped_column(Integer, comment="H of this lease; NULL: the run's")
+    first_step: Mapped[int | None] = mapped_column(
+        Integer, comment="All-async runs: the path's inner steps before this lease's range; NULL: round x H"
+    )
     shared: Mapped[bool] = mapped_column(
         Boolean,
         default=False,

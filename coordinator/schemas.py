@@ -200,13 +200,13 @@ class RunCreate(BaseModel):
         "these bounds (null: H = inner_steps)",
     )
     max_inner_steps: int | None = Field(default=None, ge=1, le=1_000_000, description="See min_inner_steps")
-    path_leases: int = Field(
-        default=1,
+    path_leases: int | None = Field(
+        default=None,
         ge=1,
         le=64,
         description="All-async runs: leases that may train one path at once, on disjoint token ranges from the "
         "path's current modules (path sharing: an island whose home path is ahead by more than one of its leases "
-        "helps the path that trained least); 1: one island per path",
+        "helps the path that trained least); 1: one island per path; null: 2 when every level is async, else 1",
     )
     heldout_tokens: int = Field(
         default=4096,
@@ -516,6 +516,9 @@ class LeaseSummary(BaseModel):
     issued_at: datetime
     expires_at: datetime
     inner_steps: int | None = Field(default=None, description="H of this lease when it is not the run's")
+    first_step: int | None = Field(
+        default=None, description="All-async runs: the global inner step its training starts at (the LR schedule)"
+    )
     shared: bool = Field(
         default=False, description="Issued on a path another lease held (async path sharing, run field path_leases)"
     )

@@ -108,13 +108,20 @@ class Lease:
     versions: tuple[int, ...] | None = None
     """The module versions (one per level) the lease trains from; None: the current ones. A replay of a service
     run names them, so the order of lease events among uploads does not matter."""
+    start: int | None = None
+    """The first token of its range; None: where the path's accepted leases end (one lease per path at once)."""
+    first_step: int | None = None
+    """Its first global inner step (the LR schedule); None: the path's accepted steps."""
+    key: int | None = None
+    """Names the lease among several that hold its path at once (path sharing); its `Upload` names it too."""
 
 
 @dataclass(frozen=True, slots=True)
 class Upload:
-    """An upload event: path `path` hands in the lease it holds."""
+    """An upload event: path `path` hands in the lease it holds (the one named `key`)."""
 
     path: int
+    key: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -174,7 +181,7 @@ class _PathState:
     offset: int = 0
     steps_done: int = 0
     leases_done: int = 0
-    lease: _HeldLease | None = None
+    leases: dict[int | None, _HeldLease] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -185,6 +192,7 @@ class _HeldLease:
     versions: list[int]
     round: int
     island: int
+    first_step: int | None
 
 
 def fold(
@@ -264,12 +272,15 @@ def simulate_async(
     for event in events:
         state = paths[event.path]
         if isinstance(event, Lease):
-            if state.lease is not None:
-                raise ValueError(f"path {event.path} already holds a lease")
-            start, _ = next_range(
-                state.offset, length=tokens[event.path].numel(), steps=event.steps,
-                batch_size=inner.batch_size, seq_len=cfg.seq_len,
-            )  # fmt: skip
+            if event.key in state.leases:
+                named = "a lease" if event.key is None else f"lease {event.key}"
+                raise ValueError(f"path {event.path} already holds {named}")
+            start = event.start
+            if start is None:
+                start, _ = next_range(
+                    state.offset, length=tokens[event.path].numel(), steps=event.steps,
+                    batch_size=inner.batch_size, seq_len=cfg.seq_len,
+                )  # fmt: skip
             mine = [modules[lv][m] for lv, m in enumerate(choice[event.path])]
             versions = list(event.versions) if event.versions is not None else [mod.version for mod in mine]
             if len(versions) != len(mine) or any(
@@ -277,14 +288,15 @@ def simulate_async(
             ):
                 raise ValueError(f"lease of path {event.path}: versions {versions} do not exist")
             base = [mod.history[v] for v, mod in zip(versions, mine, strict=True)]
-            state.lease = _HeldLease(
-                steps=event.steps, start=start, base=base, versions=versions, round=current_round, island=event.island
-            )
+            state.leases[event.key] = _HeldLease(
+                steps=event.steps, start=start, base=base, versions=versions, round=current_round,
+                island=event.island, first_step=event.first_step,
+            )  # fmt: skip
             continue
-        lease = state.lease
+        lease = state.leases.pop(event.key, None)
         if lease is None:
-            raise ValueError(f"path {event.path} uploads without a lease")
-        state.lease = None
+            named = "a lease" if event.key is None else f"lease {event.key}"
+            raise ValueError(f"path {event.path} uploads without {named}")
         work = trainer(lease.island, event.path)
         snapshot = (copy.deepcopy(work.optimizer.state_dict()), copy.deepcopy(work.feedback.residual))
         work.model.load_state_dict(compose_state(lease.base), strict=True)
@@ -293,7 +305,8 @@ def simulate_async(
             tokens[event.path][lease.start : lease.start + span + 1],
             batch_size=inner.batch_size, seq_len=cfg.seq_len, steps=lease.steps,
         )  # fmt: skip
-        losses = train_steps(work.model, work.optimizer, batches, inner, first_step=state.steps_done)
+        first_step = state.steps_done if lease.first_step is None else lease.first_step
+        losses = train_steps(work.model, work.optimizer, batches, inner, first_step=first_step)
         trained = split_state({n: t.detach().clone() for n, t in work.model.state_dict().items()}, layout)
         grads = _through_codec(
             [pseudo_gradient(lease.base[lv], trained[lv]) for lv in range(len(lease.base))],

@@ -58,6 +58,7 @@ def list_leases(
             issued_at=as_utc(lease.issued_at),
             expires_at=as_utc(lease.expires_at),
             inner_steps=lease.inner_steps,
+            first_step=lease.first_step,
             shared=lease.shared,
         )
         for lease, path_index in rows

@@ -459,6 +459,7 @@ def _new_lease(
         issued_at=now,
         expires_at=expires,
         inner_steps=steps,
+        first_step=None if steps is None else span.first_step,
         shared=span.shared,
     )
 
@@ -469,11 +470,8 @@ def _public(
     lease: Lease,
     shard: tuple[LeaseShard, LeaseHeldout | None],
     modules: list[LeaseModule],
-    first_step: int | None = None,
 ) -> LeasePublic:
-    """The lease as its island sees it; `first_step` defaults to the round's (an all-async run: the path's)."""
-    if first_step is None:
-        first_step = path.steps_done if run.schedule == "async" else lease.round * run.inner_steps
+    first_step = lease.first_step if lease.first_step is not None else lease.round * run.inner_steps
     return LeasePublic(
         lease_id=lease.id,
         run_id=run.id,
@@ -523,7 +521,7 @@ def _issue(
     )
     session.add(lease)
     session.flush()
-    return _public(run, path, lease, shard, modules, None if span is None else span.first_step)
+    return _public(run, path, lease, shard, modules)
 
 
 @dataclass(frozen=True, slots=True)

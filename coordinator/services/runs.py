@@ -84,6 +84,11 @@ def schedule_of(modes: list[str]) -> str:
     return "hybrid" if "async" in modes else "round"
 
 
+DEFAULT_PATH_LEASES = 2
+"""`path_leases` of an all-async run that does not set it: measured, path sharing keeps the path of a slow island
+from falling behind (docs/LOG.md, 2026-12-03)."""
+
+
 def path_leases(run: Run) -> int:
     """Leases that may train one path of the run at once (`RunCreate.path_leases`; runs before it: 1)."""
     return int(run.config.get("schedule", {}).get("path_leases", 1))
@@ -130,7 +135,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
             "min_inner_steps/max_inner_steps (dynamic local updates) need every level async: set sync to async "
             "and drop the ':round' levels of the layout"
         )
-    if spec.path_leases > 1 and "round" in modes:
+    if spec.path_leases is not None and spec.path_leases > 1 and "round" in modes:
         raise Invalid(
             f"path_leases ({spec.path_leases}) > 1 (path sharing) needs every level async: set sync to async and "
             "drop the ':round' levels of the layout"
@@ -155,7 +160,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
             "dn_period": spec.dn_period,
             "min_inner_steps": spec.min_inner_steps,
             "max_inner_steps": spec.max_inner_steps,
-            "path_leases": spec.path_leases,
+            "path_leases": spec.path_leases or (DEFAULT_PATH_LEASES if "round" not in modes else 1),
         },
     }
     run = Run(

@@ -131,7 +131,8 @@ def advance_cursor(session: Session, path_id: int, *, now: datetime) -> tuple[in
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """A lease's place on its path: token range, epoch, round number (unique per path), H, first global step."""
+    """A lease's place on its path: token range, epoch, round number (unique per path), H, and its first global
+    inner step (the path's steps before the range: accepted and leased ones, for the LR schedule)."""
 
     start: int
     end: int
@@ -239,7 +240,7 @@ def _gap(
         start, gap_epoch = 0, blocker.epoch
     end = blocker.start + 1
     given_back = session.execute(
-        select(Lease.round, Lease.inner_steps)
+        select(Lease.round, Lease.inner_steps, Lease.first_step)
         .where(Lease.path_id == path.id, Lease.epoch == gap_epoch, Lease.token_start == start, Lease.token_end == end)
         .where(
             or_(
@@ -252,8 +253,9 @@ def _gap(
     ).first()
     if given_back is None:
         return None  # not a range this path issued (cannot happen): leave the path alone rather than guess
-    round_, steps = given_back
-    return Span(start, end, gap_epoch, round_, steps or run.inner_steps, path.steps_done, shared)
+    round_, steps, first_step = given_back
+    first = path.steps_done if first_step is None else first_step
+    return Span(start, end, gap_epoch, round_, steps or run.inner_steps, first, shared)
 
 
 def _new_round(session: Session, path: Path) -> int:

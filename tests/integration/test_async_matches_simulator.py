@@ -43,14 +43,18 @@ def database_url(tmp_path: Any) -> str:
 
 
 @pytest.mark.parametrize(
-    ("sparse_rows", "damping"), [(False, "inverse"), (True, "inverse_square")], ids=["dense", "sparse-rows"]
+    ("sparse_rows", "damping", "path_leases"),
+    [(False, "inverse", 1), (True, "inverse_square", 1), (False, "inverse", 2)],
+    ids=["dense", "sparse-rows", "shared-paths"],
 )
 def test_async_service_equals_the_replayed_reference(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, sparse_rows: bool, damping: Damping
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, sparse_rows: bool, damping: Damping, path_leases: int
 ) -> None:
     """With `sparse_rows`, each path's embedding travels as the rows of its own alphabet and the async apply
     averages each row over the contributions of its period that touched it (the reference does the same); that
-    case also damps stale contributions by 1/(1+s)^2 instead of 1/(1+s)."""
+    case also damps stale contributions by 1/(1+s)^2 instead of 1/(1+s). With `path_leases` 2, island-0 helps
+    the path island-1's stalled leases hold back (path sharing): two leases train one path at once, on
+    consecutive ranges, and may be accepted out of order."""
     cluster.start_coordinator()
     with cluster.admin() as client:
         islands = [cluster.start_island("island-0")]
@@ -58,7 +62,8 @@ def test_async_service_equals_the_replayed_reference(
             env.setenv(STALL_ENV, "*:2:3.0")  # island-0 fills a period (2 uploads) during each of these leases
             islands.append(cluster.start_island("island-1"))
         wait_islands_joined(client, 2)
-        run_id = create_run(client, {**SPEC, "sparse_rows": sparse_rows, "staleness_damping": damping}, num_tokens=600)
+        spec = {**SPEC, "sparse_rows": sparse_rows, "staleness_damping": damping, "path_leases": path_leases}
+        run_id = create_run(client, spec, num_tokens=600)
         run = wait_finished(cluster, client, run_id)
         paths = client.get("/v1/paths", params={"run_id": run_id}).json()["data"]
         tokens = [
@@ -80,9 +85,10 @@ def test_async_service_equals_the_replayed_reference(
     assert run["schedule"] == "async" and len(contributions) == 4 * 3  # 3 leases of H=4 per path, no rounds
     # island-0 uploads while island-1's leases stall
     assert any(m["staleness"] > 0 for c in contributions for m in c["modules"])
+    assert any(x["shared"] for x in leases.values()) is (path_leases > 1)
 
     # the arrival order: accepted uploads by id (the order their transactions took the modules' locks); each
-    # lease just before its own upload, naming the versions it trained from
+    # lease just before its own upload, naming the versions it trained from, its range and its first step
     module_level = {m["id"]: m["level"] for m in modules}
     events: list[Lease | Upload] = []
     for c in sorted(contributions, key=lambda c: c["id"]):
@@ -90,7 +96,13 @@ def test_async_service_equals_the_replayed_reference(
         versions = {module_level[m["module_id"]]: m["base_version"] for m in c["modules"]}
         steps = lease["inner_steps"] or SPEC["inner_steps"]
         base = tuple(versions[lv] for lv in range(4))
-        events += [Lease(c["path_index"], steps, island=lease["island_id"], versions=base), Upload(c["path_index"])]
+        events += [
+            Lease(
+                c["path_index"], steps, island=lease["island_id"], versions=base, start=lease["token_start"],
+                first_step=lease["first_step"], key=lease["id"],
+            ),
+            Upload(c["path_index"], key=lease["id"]),
+        ]  # fmt: skip
     cfg = ModelConfig.from_dict(run["config"]["model"])
     ref = simulate_async(
         cfg,
