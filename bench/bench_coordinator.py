@@ -165,6 +165,7 @@ def create_debug_run(url: str, name: str, *, paths: int, lease_ttl_s: float) -> 
         "inner": {"batch_size": 1},
         "num_rounds": 100,
         "lease_ttl_s": lease_ttl_s,
+        "codec": "fp32",  # the simulated islands send fp32 outer gradients (grads_for)
     }
     with CoordinatorClient(url, ADMIN) as admin:
         return create_run(admin, spec, num_tokens=200)

@@ -8,7 +8,9 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -34,6 +36,7 @@ from coordinator.services.apply import ApplyExecutor, executor_name, release_dea
 from coordinator.services.closing import RoundCloser
 from coordinator.services.dispatch import LeaseDispatcher
 from coordinator.services.leases import Affinity
+from coordinator.services.staging import sweep_staging
 from coordinator.services.uploads import UploadDesk
 from coordinator.settings import Settings
 from coordinator.timeutil import utcnow
@@ -125,12 +128,27 @@ def start_executors(state: AppState, stop: threading.Event) -> list[threading.Th
 
 
 async def _sweeper(state: AppState) -> None:
+    """Every `sweep_interval_s`: expire leases, close rounds past their deadline; every `staging_sweep_s` (the
+    first time at start-up): remove staged uploads nothing will read (`staging.sweep_staging`)."""
+    staging_swept = -math.inf
     while True:
         await asyncio.sleep(state.settings.sweep_interval_s)
         try:
             await run_in_threadpool(state.dispatcher.sweep)
         except Exception:  # keep sweeping: the next pass retries whatever failed
             log.exception("background sweep failed")
+        every = state.settings.staging_sweep_s
+        if every > 0 and time.monotonic() - staging_swept >= every:
+            staging_swept = time.monotonic()
+            try:
+                await run_in_threadpool(_sweep_staging, state)
+            except Exception:
+                log.exception("staging sweep failed")
+
+
+def _sweep_staging(state: AppState) -> int:
+    with state.sessions() as session:
+        return sweep_staging(session, state.blobs, now=state.clock(), grace_s=state.settings.staging_grace_s)
 
 
 def quiet_garbage_collector() -> None:

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -90,6 +91,10 @@ class BlobStore(Protocol):
         ...
 
     def delete_staged(self, key: str) -> None: ...
+
+    def list_staged(self) -> Iterator[tuple[str, datetime]]:
+        """Every staged key, with when it was written (UTC)."""
+        ...
 
 
 def _staging_name(name: str) -> str:
@@ -249,6 +254,18 @@ class LocalBlobStore:
     def delete_staged(self, key: str) -> None:
         self._staged_path(key).unlink(missing_ok=True)
 
+    def list_staged(self) -> Iterator[tuple[str, datetime]]:
+        try:
+            entries = list(os.scandir(self.root / STAGING))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            try:
+                written = datetime.fromtimestamp(entry.stat().st_mtime, UTC)
+            except FileNotFoundError:
+                continue  # promoted and removed meanwhile
+            yield f"{STAGING}/{entry.name}", written
+
 
 class S3BlobStore:
     """Blobs as objects `<prefix><aa>/<sha256>` in one bucket."""
@@ -376,6 +393,14 @@ class S3BlobStore:
 
     def delete_staged(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    def list_staged(self) -> Iterator[tuple[str, datetime]]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=f"{self.prefix}{STAGING}/"
+        )
+        for page in pages:
+            for item in page.get("Contents", []):
+                yield str(item["Key"]), item["LastModified"].astimezone(UTC)
 
     def load_tensors(self, digest: str, prefix: str, *, verified: set[str]) -> dict[str, torch.Tensor]:
         # S3 has no memory map: the whole blob is read (and its hash checked) each time.

@@ -56,6 +56,17 @@ class Settings(BaseSettings):
     sweep_interval_s: float = Field(
         default=1.0, gt=0, description="Background pass that expires leases and closes rounds past their deadline"
     )
+    staging_sweep_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="How often the coordinator removes staged uploads nothing will read (a crash between staging and "
+        "commit, a direct PUT never committed); the first pass at start-up; 0: never",
+    )
+    staging_grace_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Only staged uploads written longer ago than this are removed, and never one of a pending lease",
+    )
     auth_cache_s: float = Field(
         default=30.0,
         ge=0,

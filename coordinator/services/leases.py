@@ -92,7 +92,7 @@ def expire_stale_leases(session: Session, *, now: datetime, run_id: int | None =
 def work_signature(session: Session, *, now: datetime, reserve_s: float) -> tuple[int | None, int, int, int, int]:
     """Changes here can free a path: a round opened (newest round id), a lease expired or was released, a
     round's reservation window ended (paths kept for other islands become free to all), a lease of a run with
-    async levels was accepted, a module step was created or committed."""
+    async levels was accepted, a step of an async module was created or committed."""
     newest_round = session.scalar(select(func.max(Round.id)))
     given_back = session.scalar(
         select(func.count()).select_from(Lease).where(Lease.status.in_((LeaseStatus.EXPIRED, LeaseStatus.RELEASED)))
@@ -108,7 +108,14 @@ def work_signature(session: Session, *, now: datetime, reserve_s: float) -> tupl
         .join(Run, Run.id == Path.run_id)
         .where(Run.status == RunStatus.RUNNING, Run.schedule != "round")
     )
-    steps = session.scalar(select(func.count()).select_from(ModuleStep).where(ModuleStep.status != StepStatus.DONE))
+    # only steps of async modules hold paths back; a closing round's steps are seen when its successor opens (all
+    # of a round's waiting islands would otherwise query the database at each of its steps, during the apply)
+    steps = session.scalar(
+        select(func.count())
+        .select_from(ModuleStep)
+        .join(Module, Module.id == ModuleStep.module_id)
+        .where(ModuleStep.status != StepStatus.DONE, Module.period_size.is_not(None))
+    )
     return newest_round, int(given_back or 0), int(reserving or 0), int(accepted or 0), int(steps or 0)
 
 

@@ -233,7 +233,8 @@ def _span(
 def _gap(
     session: Session, run: Run, path: Path, epoch: int, offset: int, blocker: Claim, *, now: datetime, shared: bool
 ) -> Span | None:
-    """The range given back before `blocker`, issued again as it was."""
+    """The range given back before `blocker`, issued again as it was (None: it is not whole inner steps, which
+    no sequence of leases makes)."""
     if blocker.epoch == epoch:
         start, gap_epoch = offset, epoch
     else:
@@ -251,11 +252,17 @@ def _gap(
         .order_by(Lease.id.desc())
         .limit(1)
     ).first()
-    if given_back is None:
-        return None  # not a range this path issued (cannot happen): leave the path alone rather than guess
-    round_, steps, first_step = given_back
-    first = path.steps_done if first_step is None else first_step
-    return Span(start, end, gap_epoch, round_, steps or run.inner_steps, first, shared)
+    if given_back is not None:
+        round_, steps, first_step = given_back
+        first = path.steps_done if first_step is None else first_step
+        return Span(start, end, gap_epoch, round_, steps or run.inner_steps, first, shared)
+    # Not one lease's range: an expired lease delivered late after its range was issued again with another H.
+    # The gap is still whole inner steps (every range is H x batch x seq_len + 1 tokens): issue it as is.
+    per_step = tokens_per_lease(run, 1) - 1
+    steps, rest = divmod(end - 1 - start, per_step)
+    if steps < 1 or rest:
+        return None
+    return Span(start, end, gap_epoch, _new_round(session, path), steps, path.steps_done, shared)
 
 
 def _new_round(session: Session, path: Path) -> int:
@@ -269,7 +276,7 @@ def _new_round(session: Session, path: Path) -> int:
     return path.leases_done if highest is None else max(path.leases_done, highest + 1)
 
 
-def reissued(session: Session, lease: Lease) -> int | None:
+def reissued(session: Session, lease: Lease, *, now: datetime) -> int | None:
     """The lease that holds (pending, or accepted) part of an expired lease's token range, issued after it; such
     an expired lease may no longer deliver (its range would be trained twice)."""
     if lease.status != LeaseStatus.EXPIRED:
@@ -282,7 +289,10 @@ def reissued(session: Session, lease: Lease) -> int | None:
             Lease.epoch == lease.epoch,
             Lease.token_start < lease.token_end - 1,
             Lease.token_end - 1 > lease.token_start,
-            Lease.status.in_((*PENDING_LEASES, LeaseStatus.SUBMITTED)),
+            or_(
+                Lease.status == LeaseStatus.SUBMITTED,
+                and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now),
+            ),
         )
         .order_by(Lease.id)
         .limit(1)

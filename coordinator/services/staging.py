@@ -15,15 +15,18 @@ Executors of different modules may verify the same upload at once: each does the
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from coordinator.blobstore import BlobError, BlobStore
 from coordinator.errors import Invalid
-from coordinator.models import Contribution, ContributionGrad, Level, Module, Run
+from coordinator.models import Contribution, ContributionGrad, Lease, Level, Module, Run
 from coordinator.services.payloads import validated_payload
 from coordinator.services.runs import run_layout, run_model_config
+from coordinator.states import PENDING_LEASES
+from coordinator.timeutil import as_utc
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +113,36 @@ def _already_verified(session: Session, contribution_id: int, key: str, exc: Exc
     if still is None:
         return 0
     raise BlobError(f"direct upload of contribution {contribution_id} at {key} cannot be read: {exc}") from exc
+
+
+def sweep_staging(session: Session, blobs: BlobStore, *, now: datetime, grace_s: float) -> int:
+    """Remove staged uploads that nothing will read, written more than `grace_s` ago; returns how many.
+
+    A staged upload is read by the executor that verifies its contribution, and removed by it. One that no
+    contribution names (`staged_key`) and whose lease (named in the key, `<lease>-<sha256>`) is no longer pending
+    will never be: a coordinator killed between staging a body and committing its contribution, a commit refused
+    after the island's PUT, a PUT never committed. Keys of pending leases, and keys that do not name a lease,
+    are left alone. Leaves no transaction open."""
+    cutoff = now - timedelta(seconds=grace_s)
+    old = [key for key, written in blobs.list_staged() if written < cutoff]
+    removed = 0
+    for key in old:
+        lease_id = _lease_of(key)
+        if lease_id is None:
+            continue
+        named = session.scalar(select(Contribution.id).where(Contribution.staged_key == key).limit(1))
+        lease = session.get(Lease, lease_id)
+        pending = lease is not None and lease.status in PENDING_LEASES and as_utc(lease.expires_at) >= now
+        session.rollback()
+        if named is not None or pending:
+            continue
+        blobs.delete_staged(key)
+        removed += 1
+    if removed:
+        log.info("removed %d staged upload(s) no contribution names", removed)
+    return removed
+
+
+def _lease_of(key: str) -> int | None:
+    lease, sep, _ = key.rpartition("/")[2].partition("-")
+    return int(lease) if sep and lease.isdigit() else None

@@ -148,7 +148,7 @@ class UploadDesk:
             if lease.island_id != island_id:
                 raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
             run = session.get_one(Run, lease.run_id)
-            _check_lease(session, run, lease, None, _prior_contribution(session, lease))
+            _check_lease(session, run, lease, None, _prior_contribution(session, lease), now=self._clock())
         key = self._blobs.staging_key(f"{lease_id}-{request.sha256}")
         expires = self._clock() + timedelta(seconds=self._presign_expiry_s)
         return UploadTicket(
@@ -229,7 +229,7 @@ def submit_outer_gradients(
     under the lock means its base versions are too. A unique (path, round) constraint keeps a second upload for
     the same path out even if two race.
     """
-    checked = _check_upload(session, upload)
+    checked = _check_upload(session, upload, now=now)
     if isinstance(checked, Submitted):
         return checked
     session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
@@ -277,7 +277,7 @@ def _staged_payload(blobs: BlobStore, upload: Upload, checked: _Checked) -> Payl
     return Payload(prefixes=header.prefixes, norms=dict.fromkeys(header.prefixes), codec=checked.codec)
 
 
-def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
+def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checked | Submitted:
     """Everything that can be refused before reading the payload; a retry of an accepted upload is returned as
     it was (idempotent)."""
     lease = get_lease(session, upload.lease_id)
@@ -293,7 +293,7 @@ def _check_upload(session: Session, upload: Upload) -> _Checked | Submitted:
     if upload.heldout_loss is not None and not (math.isfinite(upload.heldout_loss) and upload.heldout_loss >= 0):
         raise Invalid(f"held-out loss must be finite and >= 0, got {upload.heldout_loss}")
     run = session.get_one(Run, lease.run_id)
-    _check_lease(session, run, lease, upload.round, prior)
+    _check_lease(session, run, lease, upload.round, prior, now=now)
     return _Checked(
         run_id=lease.run_id,
         cfg=run_model_config(run),
@@ -341,7 +341,7 @@ def _record(
     if prior is not None and prior.lease_id == upload.lease_id:
         session.rollback()
         return Submitted(prior, False, _path_index(session, lease))
-    _check_lease(session, run, lease, upload.round, prior)
+    _check_lease(session, run, lease, upload.round, prior, now=now)
     staged_key = upload.staged_key
     if upload.body is not None and not upload.hashed:
         staged_key = blobs.staging_key(f"{lease.id}-{upload.body_sha256}")
@@ -429,7 +429,7 @@ def _round_status(session: Session, lease: Lease) -> RoundStatus | None:
 
 
 def _check_lease(
-    session: Session, run: Run, lease: Lease, round_header: int | None, prior: Contribution | None
+    session: Session, run: Run, lease: Lease, round_header: int | None, prior: Contribution | None, *, now: datetime
 ) -> None:
     """The lease may still deliver: its round is the run's current one and still open (an all-async run: the
     run is running, and when the lease expired, its token range was not issued again), it was not released, its
@@ -452,7 +452,7 @@ def _check_lease(
         )
     if lease.status == LeaseStatus.RELEASED:
         raise Conflict(f"lease {lease.id} was released; ask for a new lease")
-    holder = reissued(session, lease) if run.schedule == "async" else None
+    holder = reissued(session, lease, now=now) if run.schedule == "async" else None
     if holder is not None:
         raise Conflict(
             f"lease {lease.id} expired and its token range was issued again (lease {holder}); ask for a new lease"

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from coordinator.app import create_app
 from coordinator.models import Lease, ModuleStep
 from coordinator.services.apply import ApplyExecutor
+from coordinator.services.leases import work_signature
 from coordinator.settings import Settings
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
@@ -256,3 +257,29 @@ def test_an_async_island_keeps_its_path_across_a_module_step(no_executors: TestC
     assert helper is not None and helper["path_index"] == 2
     back = lease(client, *b)
     assert back is not None and back["path_index"] == 1
+
+
+def test_only_steps_of_async_modules_change_the_work_signature(no_executors: TestClient, clock: FakeClock) -> None:
+    """The sweeper wakes every waiting lease request when the signature changes: a closing round's module steps
+    free no path (its successor opening does), so they must not wake the round's islands, each of which would
+    then query the database at every step of the apply; an async module's step does free paths."""
+    client = no_executors
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+
+    def steps_term() -> int:
+        with state.sessions() as session:
+            return work_signature(session, now=clock(), reserve_s=10)[4]
+
+    create_running_run(client, name="round")
+    islands = [join(client, f"island-{p}") for p in range(4)]
+    for body, (_, h) in zip([lease(client, i, h) for i, h in islands], islands, strict=True):
+        assert body is not None and upload(client, body, h, train_lease(client, body, h)).status_code == 200
+    assert len([s for s in _steps(client) if s[2] != "done"]) > 0  # the round closed: its steps wait
+    assert steps_term() == 0
+    create_running_run(client, name="async", **ASYNC)
+    a, b = join(client, "a"), join(client, "b")
+    first_a, first_b = lease(client, *a), lease(client, *b)
+    assert first_a is not None and first_b is not None
+    assert _train_and_upload(client, first_a, a[1]).status_code == 200
+    assert _train_and_upload(client, first_b, b[1]).status_code == 200  # fills a routed module's period
+    assert steps_term() == 1

@@ -17,7 +17,7 @@ from coordinator.models import Lease, Path
 from coordinator.services.apply import ApplyExecutor
 from coordinator.settings import Settings
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import A, J, create_running_run, join, lease, train_lease, upload
 
 SHARED = {"sync": "async", "inner_steps": 2, "num_rounds": 12, "path_leases": 2, "lease_ttl_s": 30}
 TOKENS = 2 * 2 * 16  # H x batch x seq_len of SHARED on the tiny model
@@ -182,3 +182,38 @@ def test_shared_paths_train_every_range_once_per_epoch(no_executors: TestClient,
     for path_id, path in paths.items():
         last = max(epoch for pid, epoch in cursor if pid == path_id)
         assert (path.epoch, path.token_offset) == (last, cursor[(path_id, last)])
+
+
+def test_a_gap_left_by_a_late_upload_is_issued_in_whole_steps(no_executors: TestClient, clock: FakeClock) -> None:
+    """An expired lease of H 2 delivers late, after its range went to a lease of H 8 that expired too while a
+    shared lease held the range after it: the 6 steps in between are no lease's range, and are issued as such
+    (the path is not left waiting for a range that nobody will give back)."""
+    client = no_executors
+    create_running_run(client, name="late", layout="embed:shared, b0-1:shared, head:shared", sync="async",
+                       inner_steps=4, num_rounds=8, min_inner_steps=2, max_inner_steps=8,
+                       lease_ttl_s=30)  # fmt: skip
+    islands = {}
+    for name, speed in (("slow", 100.0), ("fast", 1000.0), ("helper", 400.0)):
+        r = client.post("/v1/islands", json={"name": name, "capabilities": {"tokens_per_s": speed}}, headers=J)
+        assert r.status_code == 201, r.text
+        islands[name] = (r.json()["island_id"], {"Authorization": f"Bearer {r.json()['token']}"})
+    per_step = 2 * 16
+    first = lease(client, *islands["slow"])
+    assert first is not None and (first["token_start"], first["inner_steps"]) == (0, 2)
+    clock.advance(31)  # the slow island's lease expires, and it is no longer live
+    longer = lease(client, *islands["fast"])
+    assert longer is not None and (longer["token_start"], longer["inner_steps"]) == (0, 8)
+    after = lease(client, *islands["helper"])
+    assert after is not None and after["token_start"] == 8 * per_step
+    clock.advance(20)
+    assert client.post(f"/v1/islands/{islands['helper'][0]}/heartbeat", headers=islands["helper"][1]).status_code == 200
+    clock.advance(15)  # the fast island's lease expires; the helper's is alive
+    late = upload(
+        client, first, islands["slow"][1], train_lease(client, first, islands["slow"][1]), tokens=2 * per_step
+    )
+    assert late.status_code == 200, late.text  # nothing else holds its range
+    while _executor(client, clock).work():  # the one path's modules step on each upload (period of 1)
+        pass
+    gap = lease(client, *islands["slow"])
+    assert gap is not None
+    assert (gap["token_start"], gap["token_end"], gap["inner_steps"]) == (2 * per_step, 8 * per_step + 1, 6)
