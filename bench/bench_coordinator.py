@@ -930,7 +930,8 @@ def bench_cost(n: int) -> dict[str, Any]:
     """Coordinator CPU per request, one request at a time, by kind; ratio = kind / the healthz floor.
 
     A 256-path run and `n` islands on PostgreSQL: n lease grants (free paths), n heartbeats, n idle lease polls
-    (every path leased), n uploads, the round apply (the rest of the paths uploaded), n offer take-ups.
+    (every path leased), n uploads, the upload that closes the round (the rest of the paths uploaded), the round
+    apply by the coordinator's executor (until the run's round moves on; polls included), n offer take-ups.
     """
     url_db = pg_database()
     tmp = Path(tempfile.mkdtemp(prefix="dipaco-cost-"))
@@ -983,7 +984,15 @@ def bench_cost(n: int) -> dict[str, Any]:
             rest = range(n, paths - 1)
             for i in rest:
                 upload(i)
-            measure("round apply (last upload)", 1, lambda i: upload(paths - 1))
+            measure("round-closing upload", 1, lambda i: upload(paths - 1))
+
+            def applied(_: int) -> None:  # the executor of the coordinator's process steps the round's modules
+                deadline = time.monotonic() + 300
+                while islands[0].run(run.id).current_round == 0:
+                    assert time.monotonic() < deadline, "the round was not applied within 300 s"
+                    time.sleep(0.05)
+
+            measure("round apply (executor, polled)", 1, applied)
             measure("offer take-up", n, lease)
     finally:
         proc.terminate()
