@@ -257,9 +257,9 @@ def _acquire_free(
     budget = run.num_rounds * run.inner_steps
     if affinity.reserve_s > 0 and _own_path_stepping(session, rnd.run_id, island_id, budget):
         return None
-    reserve = affinity.live_s if affinity.reserve_s > 0 else None
+    live_s = affinity.live_s if affinity.reserve_s > 0 else None
     wanted = lease_steps(session, run, island_id)
-    if plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, reserve=reserve) is None:
+    if plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, live_s=live_s) is None:
         session.rollback()
         return None
     run = session.scalar(
@@ -269,7 +269,7 @@ def _acquire_free(
         session.rollback()
         return None
     expired = expire_stale_leases(session, now=now, run_id=run.id)
-    planned = plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, reserve=reserve)
+    planned = plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, live_s=live_s)
     if planned is None:
         session.rollback()
         return None

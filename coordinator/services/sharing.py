@@ -15,8 +15,9 @@ it (pending, or accepted out of order) are *claims*: a new lease starts after th
 the cursor over the accepted claims that continue it, in order (`advance_cursor`). A range given back (expired,
 released) leaves a gap before the next claim, which is issued again first, as it was (same range, H and round
 number, so a late upload of the old lease and the new one cannot both be accepted): every token range is still
-trained once per epoch. A shared lease never starts a new epoch: a path whose next range would wrap waits until
-its claims are done.
+trained once per epoch. A lease whose range would not fit in the rest of the shard starts the next epoch, also
+while claims of the current one are out (the cursor crosses into the next epoch only where no range was given
+back).
 """
 
 from __future__ import annotations
@@ -85,21 +86,16 @@ class Claim:
     end: int
     submitted: bool
 
-    def continues(self, epoch: int, offset: int) -> bool:
-        """Whether it starts where the cursor stands (the last target token of a range is the next one's first
-        input), or at the start of a later epoch (the rest of the cursor's epoch was too short for a lease)."""
-        return (self.epoch == epoch and self.start == offset) or (self.epoch > epoch and self.start == 0)
 
-
-def _claims(session: Session, path: Path, *, now: datetime, submitted_only: bool = False) -> list[Claim]:
-    holding = Lease.status == LeaseStatus.SUBMITTED
-    if not submitted_only:
-        holding = or_(holding, and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now))
+def _claims(session: Session, path: Path, *, now: datetime) -> list[Claim]:
     rows = session.execute(
         select(Lease.epoch, Lease.token_start, Lease.token_end, Lease.status)
         .where(
             Lease.path_id == path.id,
-            holding,
+            or_(
+                Lease.status == LeaseStatus.SUBMITTED,
+                and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now),
+            ),
             or_(Lease.epoch > path.epoch, and_(Lease.epoch == path.epoch, Lease.token_start >= path.token_offset)),
         )
         .order_by(Lease.epoch, Lease.token_start)
@@ -107,11 +103,38 @@ def _claims(session: Session, path: Path, *, now: datetime, submitted_only: bool
     return [Claim(epoch, start, end, status == LeaseStatus.SUBMITTED) for epoch, start, end, status in rows]
 
 
-def _walk(epoch: int, offset: int, claims: list[Claim]) -> tuple[int, int, Claim | None]:
-    """The cursor moved over the claims that continue it, in order, and the first claim that does not (a gap
-    lies before it), or None."""
+def _given_back(session: Session, path_id: int, epoch: int, start: int, *, now: datetime) -> Any:
+    """The latest lease of the path that started at `start` in `epoch` and gave its range back (expired,
+    released, or past its expiry and not marked yet): (round, inner_steps, first_step, token_end), or None."""
+    return session.execute(
+        select(Lease.round, Lease.inner_steps, Lease.first_step, Lease.token_end)
+        .where(Lease.path_id == path_id, Lease.epoch == epoch, Lease.token_start == start)
+        .where(
+            or_(
+                Lease.status.in_((LeaseStatus.EXPIRED, LeaseStatus.RELEASED)),
+                and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at < now),
+            )
+        )
+        .order_by(Lease.id.desc())
+        .limit(1)
+    ).first()
+
+
+def _walk(
+    session: Session, path: Path, claims: list[Claim], *, now: datetime, submitted_only: bool = False
+) -> tuple[int, int, Claim | None]:
+    """The cursor moved over the claims that continue it, in order (with `submitted_only`, accepted ones only),
+    and the first claim that does not, or None. A claim continues the cursor when it starts where the cursor
+    stands (the last target token of a range is the next one's first input), or at the start of a later epoch
+    when no range given back starts at the cursor (the rest of the cursor's epoch was left out: too short for
+    the lease that wrapped)."""
+    epoch, offset = path.epoch, path.token_offset
     for claim in claims:
-        if not claim.continues(epoch, offset):
+        if submitted_only and not claim.submitted:
+            return epoch, offset, claim
+        here = claim.epoch == epoch and claim.start == offset
+        wraps = claim.epoch > epoch and claim.start == 0
+        if not here and not (wraps and _given_back(session, path.id, epoch, offset, now=now) is None):
             return epoch, offset, claim
         epoch, offset = claim.epoch, claim.end - 1
     return epoch, offset, None
@@ -124,8 +147,7 @@ def advance_cursor(session: Session, path_id: int, *, now: datetime) -> tuple[in
         select(Path).where(Path.id == path_id).with_for_update().execution_options(populate_existing=True)
     )
     assert path is not None
-    claims = _claims(session, path, now=now, submitted_only=True)
-    epoch, offset, _ = _walk(path.epoch, path.token_offset, claims)
+    epoch, offset, _ = _walk(session, path, _claims(session, path, now=now), now=now, submitted_only=True)
     return epoch, offset
 
 
@@ -161,13 +183,13 @@ def plan_lease(
     now: datetime,
     budget: int,
     wanted: int,
-    reserve: float | None,
+    live_s: float | None,
 ) -> tuple[Path, Span] | None:
     """The path and span of the island's next lease in an all-async run, or None when no path may take one.
 
     A path may take a lease while its inner steps (accepted or leased) are under `budget`, no module of it is
     stepping, and fewer than `path_leases` leases hold it; a free path that is another live island's home
-    (within `reserve` seconds of heartbeat; None: no reservation) is kept for it. The island's home path comes
+    (heartbeat within `live_s`; None: no reservation) is kept for it. The island's home path comes
     first, unless a held path is behind it by more than `wanted` steps (one lease of the island), then the
     path that trained least; without a usable home, free paths before held ones."""
     share = path_leases(run)
@@ -181,7 +203,7 @@ def plan_lease(
     }
     home = home_path(session, run.id, island_id)
     reserved = (
-        set() if reserve is None else set(session.scalars(home_paths(run.id, live_islands(island_id, now, reserve))))
+        set() if live_s is None else set(session.scalars(home_paths(run.id, live_islands(island_id, now, live_s))))
     )
     candidates = []
     for path_id, index, done in session.execute(
@@ -213,10 +235,9 @@ def plan_lease(
 def _span(
     session: Session, run: Run, path: Path, candidate: _Candidate, *, now: datetime, budget: int, wanted: int
 ) -> Span | None:
-    """The path's next span: the first gap before its claims, else the range after them (None: it would start
-    a new epoch while claims are out)."""
-    claims = _claims(session, path, now=now)
-    epoch, offset, blocker = _walk(path.epoch, path.token_offset, claims)
+    """The path's next span: the first gap before its claims, else the range after them (the next epoch's
+    first when the rest of the shard is too short)."""
+    epoch, offset, blocker = _walk(session, path, _claims(session, path, now=now), now=now)
     shared = candidate.held > 0
     if blocker is not None:
         return _gap(session, run, path, epoch, offset, blocker, now=now, shared=shared)
@@ -224,8 +245,6 @@ def _span(
     need = tokens_per_lease(run, steps)
     num_tokens = session.scalar(select(Shard.num_tokens).where(Shard.run_id == run.id, Shard.path_index == path.index))
     assert num_tokens is not None
-    if claims and offset + need > num_tokens:
-        return None
     start, end, epoch = wrap_range(offset, epoch, need, num_tokens)
     return Span(start, end, epoch, _new_round(session, path), steps, candidate.progress, shared)
 
@@ -233,27 +252,21 @@ def _span(
 def _gap(
     session: Session, run: Run, path: Path, epoch: int, offset: int, blocker: Claim, *, now: datetime, shared: bool
 ) -> Span | None:
-    """The range given back before `blocker`, issued again as it was (None: it is not whole inner steps, which
-    no sequence of leases makes)."""
-    if blocker.epoch == epoch:
-        start, gap_epoch = offset, epoch
+    """The range before `blocker`: a range given back at the cursor, issued again as it was (same range, H,
+    round and first step); else the tokens up to the blocker (in the blocker's epoch when it starts a later one),
+    as the given-back lease there or in whole steps (None when they are not whole steps, which no sequence of
+    leases makes)."""
+    at_cursor = _given_back(session, path.id, epoch, offset, now=now)
+    if at_cursor is not None and (blocker.epoch > epoch or at_cursor[3] == blocker.start + 1):
+        start, gap_epoch, end, found = offset, epoch, int(at_cursor[3]), at_cursor
     else:
-        start, gap_epoch = 0, blocker.epoch
-    end = blocker.start + 1
-    given_back = session.execute(
-        select(Lease.round, Lease.inner_steps, Lease.first_step)
-        .where(Lease.path_id == path.id, Lease.epoch == gap_epoch, Lease.token_start == start, Lease.token_end == end)
-        .where(
-            or_(
-                Lease.status.in_((LeaseStatus.EXPIRED, LeaseStatus.RELEASED)),
-                and_(Lease.status.in_(PENDING_LEASES), Lease.expires_at < now),  # not marked expired yet
-            )
-        )
-        .order_by(Lease.id.desc())
-        .limit(1)
-    ).first()
-    if given_back is not None:
-        round_, steps, first_step = given_back
+        start, gap_epoch = (offset, epoch) if blocker.epoch == epoch else (0, blocker.epoch)
+        end = blocker.start + 1
+        found = _given_back(session, path.id, gap_epoch, start, now=now)
+        if found is not None and found[3] != end:
+            found = None
+    if found is not None:
+        round_, steps, first_step, _ = found
         first = path.steps_done if first_step is None else first_step
         return Span(start, end, gap_epoch, round_, steps or run.inner_steps, first, shared)
     # Not one lease's range: an expired lease delivered late after its range was issued again with another H.

@@ -137,12 +137,13 @@ def test_a_range_given_back_before_a_shared_one_is_issued_again_as_it_was(
     assert _path(client, run["id"], 1).leases_done == 0
 
 
-def test_shared_paths_train_every_range_once_per_epoch(no_executors: TestClient, clock: FakeClock) -> None:
+@pytest.mark.parametrize("seed", [7, 11, 23])
+def test_shared_paths_train_every_range_once_per_epoch(no_executors: TestClient, clock: FakeClock, seed: int) -> None:
     """Islands deliver, go silent or give leases back in a random (seeded) order until the run's budget is
     spent: per path and epoch the accepted ranges follow each other without overlap from token 0."""
     client = no_executors
     run = create_running_run(client, name="exact", **(SHARED | {"num_rounds": 8, "max_staleness": 1000}))
-    rng = random.Random(7)
+    rng = random.Random(seed)
     islands = [join(client, f"island-{i}") for i in range(3)]
     held: dict[int, dict[str, Any]] = {}
     for _ in range(200):
