@@ -15,6 +15,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
+from coordinator.services.apply import ApplyExecutor
 from coordinator.settings import Settings
 from modules import ModelConfig, build_path, decode, encode
 from modules.outer import pseudo_gradient
@@ -156,3 +157,15 @@ def eventually(read: Callable[[], T], ok: Callable[[T], bool], *, timeout_s: flo
         if ok(value) or time.monotonic() > deadline:
             return value
         time.sleep(0.02)
+
+
+def app_executor(client: TestClient, clock: FakeClock) -> ApplyExecutor:
+    """An apply executor as the app runs one: its commits wake the lease requests of this process."""
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    return ApplyExecutor(
+        sessions=state.sessions,
+        blobs=state.blobs,
+        clock=clock,
+        name="test-0",
+        on_step=lambda done: state.closer.stepped(done, now=clock()),
+    )

@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from coordinator.app import create_app
 from coordinator.models import ModuleStep, ModuleVersion
 from coordinator.services.apply import ApplyExecutor, apply_step, claim_step, release_dead_claims
-from coordinator.settings import Settings
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
 from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
-
-
-@pytest.fixture
-def no_executors(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
-    """The app with no apply executor of its own (`--apply-workers 0`): closed rounds wait for the test's."""
-    settings.apply_workers = 0
-    with TestClient(create_app(settings, clock=clock)) as client:
-        yield client
 
 
 def _closed_round(client: TestClient) -> dict[str, Any]:

@@ -3,43 +3,19 @@ while a module steps, runs that never wait for another path, dynamic local updat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from coordinator.app import create_app
 from coordinator.models import Lease, ModuleStep
-from coordinator.services.apply import ApplyExecutor
 from coordinator.services.leases import work_signature
-from coordinator.settings import Settings
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import TINY_RUN, A, J, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import TINY_RUN, A, J, app_executor, create_running_run, join, lease, train_lease, upload
 
 ASYNC = {"sync": "async", "inner_steps": 2, "num_rounds": 2}
-
-
-@pytest.fixture
-def no_executors(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
-    """The app with no apply executor of its own: due steps wait for the test's executor."""
-    settings.apply_workers = 0
-    with TestClient(create_app(settings, clock=clock)) as client:
-        yield client
-
-
-def _executor(client: TestClient, clock: FakeClock) -> ApplyExecutor:
-    """An executor as the app runs one: its commits wake the lease requests of this process."""
-    state = client.app.state.dipaco  # type: ignore[attr-defined]
-    return ApplyExecutor(
-        sessions=state.sessions,
-        blobs=state.blobs,
-        clock=clock,
-        name="test-0",
-        on_step=lambda done: state.closer.stepped(done, now=clock()),
-    )
 
 
 def _modules(client: TestClient, run_id: int) -> list[dict[str, Any]]:
@@ -82,7 +58,7 @@ def test_an_async_run_steps_modules_on_periods_and_finishes_without_rounds(
     assert [(m, r) for m, r, _ in _steps(client)] == [(modules[1, 0]["id"], 0)]
     # while it waits for an executor, paths 0 and 1 are held back (their leases would train stale weights)
     assert lease(client, *islands[1]) is None
-    assert _executor(client, clock).work() == 1
+    assert app_executor(client, clock).work() == 1
     assert modules[1, 0]["version"] == 0 and _modules(client, run["id"])[1]["version"] == 1
     relet = lease(client, *islands[1])
     assert relet is not None and relet["path_index"] == 1
@@ -102,7 +78,7 @@ def test_a_contribution_staler_than_the_run_allows_is_refused_with_409(
     first, slow = lease(client, i0, h0), lease(client, i1, h1)
     assert first is not None and slow is not None
     assert _train_and_upload(client, first, h0).status_code == 200
-    assert _executor(client, clock).work() == 4  # dn_period 1: each module of path 0 stepped
+    assert app_executor(client, clock).work() == 4  # dn_period 1: each module of path 0 stepped
     r = _train_and_upload(client, slow, h1)
     assert r.status_code == 409, r.text
     detail = r.json()["detail"]
@@ -122,7 +98,7 @@ def test_the_run_finishes_after_its_last_partial_periods_are_stepped(
     client = no_executors
     run = create_running_run(client, name="finish", dn_period=3, **ASYNC)  # 4 uploads a path: periods of 3
     island = join(client, "only")
-    executor = _executor(client, clock)
+    executor = app_executor(client, clock)
     uploads = 0
     while True:
         body = lease(client, *island)
@@ -150,7 +126,7 @@ def test_a_hybrid_run_steps_async_levels_on_arrival_and_the_rest_per_round(
     assert run["schedule"] == "hybrid"
     islands = [join(client, f"island-{p}") for p in range(4)]
     bodies = [lease(client, i, h) for i, h in islands]
-    executor = _executor(client, clock)
+    executor = app_executor(client, clock)
     for p in (0, 1):
         assert _train_and_upload(client, bodies[p], islands[p][1]).status_code == 200  # type: ignore[arg-type]
     modules = {(m["level"], m["index"]): m["id"] for m in _modules(client, run["id"])}
@@ -221,7 +197,7 @@ def test_dynamic_local_updates_scale_each_lease_with_its_island_speed(
     clock.advance(10)
     assert _train_and_upload(client, slow_lease, slow_h).status_code == 200
     assert _train_and_upload(client, fast_lease, fast_h).status_code == 200
-    assert _executor(client, clock).work() == 1  # the routed module paths 0 and 1 share
+    assert app_executor(client, clock).work() == 1  # the routed module paths 0 and 1 share
     slow_again, fast_again = lease(client, slow_id, slow_h), lease(client, fast_id, fast_h)
     assert slow_again is not None and fast_again is not None
     assert (slow_again["path_index"], slow_again["inner_steps"], slow_again["first_step"]) == (0, 2, 2)
@@ -243,7 +219,7 @@ def test_an_async_island_keeps_its_path_across_a_module_step(no_executors: TestC
     # b0 module 0 (paths 0 and 1) has a full period: its step is due; paths 2 and 3 are free, and cold for both
     assert len(_steps(client)) == 1
     assert lease(client, *a) is None and lease(client, *b) is None
-    assert _executor(client, clock).work() == 1
+    assert app_executor(client, clock).work() == 1
     again_a, again_b = lease(client, *a), lease(client, *b)
     assert again_a is not None and again_b is not None
     assert (again_a["path_index"], again_b["path_index"]) == (0, 1)
@@ -251,7 +227,7 @@ def test_an_async_island_keeps_its_path_across_a_module_step(no_executors: TestC
     assert [x["path_index"] for x in (lease(client, *c), lease(client, *d)) if x] == [2, 3]
     # b's upload fills b1 module 1's period (paths 1 and 3); once stepped, path 1 is free but stays b's
     assert _train_and_upload(client, again_b, b[1]).status_code == 200
-    assert _executor(client, clock).work() == 1
+    assert app_executor(client, clock).work() == 1
     e = join(client, "e")
     helper = lease(client, *e)  # no home path of its own: it shares the least-trained held path, not b's path 1
     assert helper is not None and helper["path_index"] == 2

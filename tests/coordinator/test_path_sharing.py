@@ -5,46 +5,24 @@ a range given back is issued again as it was, and no token range is trained twic
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from coordinator.app import create_app
 from coordinator.models import Lease, Path
-from coordinator.services.apply import ApplyExecutor
-from coordinator.settings import Settings
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import A, J, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import A, J, app_executor, create_running_run, join, lease, train_lease, upload
 
 SHARED = {"sync": "async", "inner_steps": 2, "num_rounds": 12, "path_leases": 2, "lease_ttl_s": 30}
 TOKENS = 2 * 2 * 16  # H x batch x seq_len of SHARED on the tiny model
 
 
-@pytest.fixture
-def no_executors(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
-    settings.apply_workers = 0
-    with TestClient(create_app(settings, clock=clock)) as client:
-        yield client
-
-
-def _executor(client: TestClient, clock: FakeClock) -> ApplyExecutor:
-    state = client.app.state.dipaco  # type: ignore[attr-defined]
-    return ApplyExecutor(
-        sessions=state.sessions,
-        blobs=state.blobs,
-        clock=clock,
-        name="test-0",
-        on_step=lambda done: state.closer.stepped(done, now=clock()),
-    )
-
-
 def _deliver(client: TestClient, clock: FakeClock, body: dict[str, Any], headers: dict[str, str]) -> Any:
     """Train and upload the lease, then let an executor take every step that came due."""
     r = upload(client, body, headers, train_lease(client, body, headers), tokens=TOKENS)
-    while _executor(client, clock).work():
+    while app_executor(client, clock).work():
         pass
     return r
 
@@ -58,18 +36,17 @@ def _path(client: TestClient, run_id: int, index: int) -> Path:
         return path
 
 
-def test_a_lagging_path_is_shared_on_the_next_range_and_the_cursor_waits_for_order(
-    no_executors: TestClient, clock: FakeClock
-) -> None:
-    client = no_executors
-    run = create_running_run(client, name="share", **SHARED)
+Island = tuple[int, dict[str, str]]
+
+
+def _fast_helps_slow(client: TestClient, clock: FakeClock) -> tuple[Island, Island, dict[str, Any], dict[str, Any]]:
+    """Two islands on a SHARED run, fast on path 0 and slow on path 1: the fast one trains its path while the slow
+    one holds path 1, and once ahead by more than one of its own leases (2 steps, counting path 1's pending
+    lease) it helps path 1. Returns (fast, slow, the slow island's lease, the fast island's shared lease)."""
     fast, slow = join(client, "fast"), join(client, "slow")
-    first, held = lease(client, *fast), lease(client, *slow)
-    assert first is not None and held is not None
-    assert (first["path_index"], held["path_index"]) == (0, 1)
-    body = first
-    # the fast island trains its path while the slow one holds path 1: ahead by more than one of its own leases
-    # (2 steps, counting path 1's pending lease), it helps path 1 on the range after the slow island's
+    body, held = lease(client, *fast), lease(client, *slow)
+    assert body is not None and held is not None
+    assert (body["path_index"], held["path_index"]) == (0, 1)
     for _ in range(3):
         assert _deliver(client, clock, body, fast[1]).status_code == 200
         body = lease(client, *fast)
@@ -77,10 +54,18 @@ def test_a_lagging_path_is_shared_on_the_next_range_and_the_cursor_waits_for_ord
         if body["path_index"] != 0:
             break
     assert body["path_index"] == 1, "the fast island never helped the lagging path"
+    return fast, slow, held, body
+
+
+def test_a_lagging_path_is_shared_on_the_next_range_and_the_cursor_waits_for_order(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    client = no_executors
+    run = create_running_run(client, name="share", **SHARED)
+    fast, slow, held, helper = _fast_helps_slow(client, clock)
     assert _path(client, run["id"], 0).steps_done == 6
-    assert body["token_start"] == held["token_end"] - 1 and body["epoch"] == held["epoch"]
-    assert body["round"] == held["round"] + 1 and body["first_step"] == 2  # the slow lease's 2 steps come first
-    helper = body
+    assert helper["token_start"] == held["token_end"] - 1 and helper["epoch"] == held["epoch"]
+    assert helper["round"] == held["round"] + 1 and helper["first_step"] == 2  # the slow lease's 2 steps first
     # path 1 has as many leases as path_leases allows: a third island gets no share of it
     other = join(client, "other")
     third = lease(client, *other)
@@ -108,15 +93,7 @@ def test_a_range_given_back_before_a_shared_one_is_issued_again_as_it_was(
 ) -> None:
     client = no_executors
     run = create_running_run(client, name="gap", **SHARED)
-    fast, slow = join(client, "fast"), join(client, "slow")
-    body, held = lease(client, *fast), lease(client, *slow)
-    assert body is not None and held is not None
-    while body["path_index"] == 0:
-        assert _deliver(client, clock, body, fast[1]).status_code == 200
-        body = lease(client, *fast)
-        assert body is not None
-    helper = body
-    assert helper["path_index"] == 1
+    fast, slow, held, helper = _fast_helps_slow(client, clock)
     # the slow island misses its heartbeats: its lease expires while the helper's is kept alive; back, it is
     # given its range again (a gap before the helper's range), with the same round number and H
     clock.advance(20)
@@ -213,7 +190,7 @@ def test_a_gap_left_by_a_late_upload_is_issued_in_whole_steps(no_executors: Test
         client, first, islands["slow"][1], train_lease(client, first, islands["slow"][1]), tokens=2 * per_step
     )
     assert late.status_code == 200, late.text  # nothing else holds its range
-    while _executor(client, clock).work():  # the one path's modules step on each upload (period of 1)
+    while app_executor(client, clock).work():  # the one path's modules step on each upload (period of 1)
         pass
     gap = lease(client, *islands["slow"])
     assert gap is not None
