@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,16 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Eng
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def pinned_session(sessions: sessionmaker[Session]) -> Iterator[Session]:
+    """A session that keeps one pooled connection across its transactions: one checkout (and one pre-ping, a
+    round trip on PostgreSQL) for a request that commits or rolls back more than once, as an upload does. The
+    connection sits idle between the transactions, holding no transaction; the pool covers the server's worker
+    threads (`make_engine`), so holding it cannot starve other requests."""
+    with sessions.kw["bind"].connect() as connection, sessions(bind=connection) as session:
+        yield session
 
 
 def ping(session: Session) -> None:

@@ -57,7 +57,8 @@ class AppState:
     """Accepts outer-gradient uploads (services/uploads.py)."""
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    """On the event loop (a plain `def` dependency would take a worker-thread round trip on every request)."""
     state: AppState = request.app.state.dipaco
     return state
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
 from coordinator.services.apply import StepDone
-from coordinator.services.rounds import close_ready_rounds
+from coordinator.services.rounds import after_upload, close_ready_rounds, round_closed
 from coordinator.wakeups import WorkSignal
 
 
@@ -39,6 +39,15 @@ class RoundCloser:
             self._metrics.rounds_closed.inc(len(closed))
             self.executors_wake.set()
         return len(closed)
+
+    def closed_with(self, session: Session, run_id: int, number: int, *, now: datetime) -> bool:
+        """After an upload into round `number` committed: whether the round stopped taking uploads with it (this
+        call closed it, it being ready, or a sweep or another upload already had). One statement when the round
+        is not ready, as after most uploads."""
+        state = after_upload(session, run_id, number, now)
+        if state != "ready":
+            return state == "closed"
+        return self.close_ready(session, [run_id], now=now) > 0 or round_closed(session, run_id, number)
 
     def stepped(self, done: StepDone, *, now: datetime) -> None:
         """An executor of this process committed a module step (any thread)."""

@@ -18,6 +18,7 @@ import logging
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, Literal
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
@@ -141,27 +142,62 @@ def _open_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
 
 def _ready_count(session: Session, run_id: int, now: datetime) -> int | None:
     """Paths that contributed to the run's open round, if the round may close now (else None): every path did,
-    or its deadline passed with a quorum. One statement (the unlocked probe runs after every accepted upload)."""
-    contributed = (
-        select(func.count(func.distinct(Contribution.path_id)))
-        .where(
-            Contribution.run_id == Run.id,
-            Contribution.round == Run.current_round,
-            Contribution.status == ContributionStatus.ACCEPTED,
-        )
-        .scalar_subquery()
-    )
+    or its deadline passed with a quorum. One statement (the unlocked probe of a lease request that found no
+    path; an upload runs `after_upload` instead)."""
     row = session.execute(
-        select(Run.num_paths, Run.quorum, Round.deadline, contributed)
+        select(Run.num_paths, Run.quorum, Round.deadline, _contributed(Run.current_round))
         .join(Round, and_(Round.run_id == Run.id, Round.number == Run.current_round))
         .where(Run.id == run_id, Run.status == RunStatus.RUNNING, Round.status == RoundStatus.OPEN)
     ).first()
     if row is None:
         return None
     num_paths, quorum, deadline, count = row
-    complete = count >= num_paths
+    return count if _may_close(num_paths, quorum, deadline, count, now) else None
+
+
+def after_upload(session: Session, run_id: int, number: int, now: datetime) -> Literal["open", "ready", "closed"]:
+    """Round `number` once an upload into it committed, in one statement: still taking uploads (`open`), ready
+    to close (the run's current round, every path in or past its deadline with a quorum), or `closed` (closing
+    or applied, by whoever). Rolls back."""
+    row = session.execute(
+        select(Run.status, Run.current_round, Run.num_paths, Run.quorum, Round.deadline, Round.status)
+        .add_columns(_contributed(number))
+        .outerjoin(Round, and_(Round.run_id == Run.id, Round.number == number))
+        .where(Run.id == run_id)
+    ).first()
+    session.rollback()
+    if row is None:
+        return "open"
+    run_status, current, num_paths, quorum, deadline, round_status, count = row
+    if round_status is not None and round_status != RoundStatus.OPEN:
+        return "closed"
+    if (
+        round_status == RoundStatus.OPEN
+        and run_status == RunStatus.RUNNING
+        and current == number
+        and _may_close(num_paths, quorum, deadline, count, now)
+    ):
+        return "ready"
+    return "open"
+
+
+def _contributed(number: Any) -> Any:
+    """Paths with an accepted contribution to round `number` of the run (a correlated scalar subquery)."""
+    return (
+        select(func.count(func.distinct(Contribution.path_id)))
+        .where(
+            Contribution.run_id == Run.id,
+            Contribution.round == number,
+            Contribution.status == ContributionStatus.ACCEPTED,
+        )
+        .scalar_subquery()
+    )
+
+
+def _may_close(num_paths: int, quorum: float, deadline: datetime | None, count: int, now: datetime) -> bool:
+    """Every path contributed, or the round's deadline passed with a quorum."""
     past_deadline = deadline is not None and now >= as_utc(deadline)
-    return count if complete or (past_deadline and count >= quorum_paths(quorum, num_paths)) else None
+    return count >= num_paths or (past_deadline and count >= quorum_paths(quorum, num_paths))
 
 
 def quorum_paths(quorum: float, num_paths: int) -> int:

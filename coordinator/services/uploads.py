@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path as FilePath
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.blobstore import BlobStore, S3BlobStore
-from coordinator.errors import Conflict, Forbidden, Invalid, LeaseSpent, PayloadTooLarge, ServiceError
+from coordinator.db import pinned_session
+from coordinator.errors import Conflict, Forbidden, Invalid, LeaseSpent, NotFound, PayloadTooLarge, ServiceError
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.models import (
@@ -38,10 +39,8 @@ from coordinator.models import (
 from coordinator.schemas import ContributionPublic, UploadCommit, UploadTicket, UploadTicketRequest
 from coordinator.services.closing import RoundCloser
 from coordinator.services.events import record_refused_upload
-from coordinator.services.leases import get_lease
 from coordinator.services.payloads import Payload, header_cap, header_length, validated_header, validated_payload
 from coordinator.services.periods import budget_spent, finish_if_done, flush_periods, make_due
-from coordinator.services.rounds import round_closed
 from coordinator.services.runs import run_layout, run_model_config, run_schedule
 from coordinator.services.sharing import advance_cursor, reissued
 from coordinator.states import ContributionStatus, LeaseStatus, RoundStatus, RunStatus
@@ -84,6 +83,8 @@ class Submitted:
     """Module steps this upload made due (async levels: it completed a period, or the run's last one)."""
     asynchronous: bool = False
     """The run has async levels."""
+    rounds: bool = True
+    """The run has round levels (its rounds close and apply)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,8 @@ class _Checked:
     layout: Layout
     levels: dict[int, tuple[int, str]]
     """level index -> (module id, level name) of the lease's path."""
+    async_modules: frozenset[int]
+    """The path's modules on async levels (`Module.period_size` set, fixed at run creation)."""
     outer: OuterConfig
     codec: str
     """The run's codec: uploads must come in it."""
@@ -144,11 +147,10 @@ class UploadDesk:
         if request.size > self._max_upload_bytes:
             raise PayloadTooLarge(f"body of {request.size} bytes is over the {self._max_upload_bytes}-byte limit")
         with self._sessions() as session:
-            lease = get_lease(session, lease_id)
-            if lease.island_id != island_id:
-                raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
-            run = session.get_one(Run, lease.run_id)
-            _check_lease(session, run, lease, None, _prior_contribution(session, lease), now=self._clock())
+            found = _lease_state(session, lease_id)
+            if found.lease.island_id != island_id:
+                raise Forbidden(f"lease {lease_id} belongs to island {found.lease.island_id}, not island {island_id}")
+            _check_lease(session, found, None, now=self._clock())
         key = self._blobs.staging_key(f"{lease_id}-{request.sha256}")
         expires = self._clock() + timedelta(seconds=self._presign_expiry_s)
         return UploadTicket(
@@ -179,7 +181,7 @@ class UploadDesk:
     def accept(self, upload: Upload) -> ContributionPublic:
         """Accept (or refuse, with a `ServiceError`, recorded as an event) one upload; runs on a worker thread."""
         now = self._clock()
-        with self._sessions() as session:
+        with pinned_session(self._sessions) as session:
             try:
                 submitted = submit_outer_gradients(session, self._blobs, upload, now=now, faults=self._faults)
             except ServiceError as exc:
@@ -192,15 +194,7 @@ class UploadDesk:
                 raise
             contribution = submitted.contribution
             self._metrics.contributions.labels(result="accepted" if submitted.created else "duplicate").inc()
-            # the round is complete with this upload, whoever closed it: this request, or a sweep or another
-            # upload that ran between this commit and the close probe
-            applied = submitted.created and (
-                self._closer.close_ready(session, [contribution.run_id], now=now) > 0
-                or round_closed(session, contribution.run_id, contribution.round)
-            )
-            if submitted.created and submitted.asynchronous:
-                self._closer.async_progress(submitted.steps)
-            return ContributionPublic(
+            answer = ContributionPublic(  # read now: the close probe's rollback expires the row
                 id=contribution.id,
                 lease_id=upload.lease_id,
                 run_id=contribution.run_id,
@@ -210,8 +204,15 @@ class UploadDesk:
                 train_loss=contribution.train_loss,
                 heldout_loss=contribution.heldout_loss,
                 status=contribution.status,
-                round_applied=applied,
+                round_applied=False,
             )
+            # the round is complete with this upload, whoever closed it: this request, or a sweep or another
+            # upload that ran between this commit and the close probe
+            if submitted.created and submitted.rounds:
+                answer.round_applied = self._closer.closed_with(session, answer.run_id, answer.round, now=now)
+            if submitted.created and submitted.asynchronous:
+                self._closer.async_progress(submitted.steps)
+            return answer
 
 
 def submit_outer_gradients(
@@ -280,10 +281,10 @@ def _staged_payload(blobs: BlobStore, upload: Upload, checked: _Checked) -> Payl
 def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checked | Submitted:
     """Everything that can be refused before reading the payload; a retry of an accepted upload is returned as
     it was (idempotent)."""
-    lease = get_lease(session, upload.lease_id)
+    found = _lease_state(session, upload.lease_id)
+    lease, run, prior = found.lease, found.run, found.prior
     if lease.island_id != upload.island_id:
         raise Forbidden(f"lease {upload.lease_id} belongs to island {lease.island_id}, not island {upload.island_id}")
-    prior = _prior_contribution(session, lease)
     if prior is not None and prior.lease_id == upload.lease_id:
         return Submitted(prior, False, _path_index(session, lease))
     if upload.tokens < 0:
@@ -292,13 +293,14 @@ def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checke
         raise Invalid(f"train loss must be finite, got {upload.train_loss}")
     if upload.heldout_loss is not None and not (math.isfinite(upload.heldout_loss) and upload.heldout_loss >= 0):
         raise Invalid(f"held-out loss must be finite and >= 0, got {upload.heldout_loss}")
-    run = session.get_one(Run, lease.run_id)
-    _check_lease(session, run, lease, upload.round, prior, now=now)
+    _check_lease(session, found, upload.round, now=now)
+    levels, async_modules = _path_levels(session, lease, max_staleness=run_schedule(run).max_staleness)
     return _Checked(
         run_id=lease.run_id,
         cfg=run_model_config(run),
         layout=run_layout(run),
-        levels=_path_levels(session, lease, max_staleness=run_schedule(run).max_staleness),
+        levels=levels,
+        async_modules=async_modules,
         outer=OuterConfig(**run.config["outer"]),
         codec=run.config.get("codec", "fp32"),
         sparse_rows=run.config.get("sparse_rows", False),
@@ -332,16 +334,15 @@ def _record(
 ) -> Submitted:
     """Under a shared lock on the run row: check the lease again, store the body, write the contribution, mark
     the lease submitted and advance the path's data cursor; commit."""
-    run = session.scalar(
-        select(Run).where(Run.id == checked.run_id).with_for_update(read=True).execution_options(populate_existing=True)
-    )
-    assert run is not None  # runs are never deleted
-    lease = session.get_one(Lease, upload.lease_id, populate_existing=True)
-    prior = _prior_contribution(session, lease)
+    # the lock first, then the rows in a statement of their own: on PostgreSQL a statement that waited for the
+    # lock would still see the other rows as they were when it started (a round closed meanwhile, say)
+    session.execute(select(Run.id).where(Run.id == checked.run_id).with_for_update(read=True))
+    found = _lease_state(session, upload.lease_id, fresh=True)
+    lease, run, prior = found.lease, found.run, found.prior
     if prior is not None and prior.lease_id == upload.lease_id:
         session.rollback()
         return Submitted(prior, False, _path_index(session, lease))
-    _check_lease(session, run, lease, upload.round, prior, now=now)
+    _check_lease(session, found, upload.round, now=now)
     staged_key = upload.staged_key
     if upload.body is not None and not upload.hashed:
         staged_key = blobs.staging_key(f"{lease.id}-{upload.body_sha256}")
@@ -369,7 +370,7 @@ def _record(
         blobs.stage_file(upload.body, staged_key)
     elif upload.body is not None:
         blobs.put_file(upload.body, upload.body_sha256)
-    slots, steps = _assign_steps(session, run, lease, checked.levels)
+    slots, steps = _assign_steps(session, run, lease, checked.levels, checked.async_modules)
     session.add_all(
         ContributionGrad(
             contribution_id=contribution.id,
@@ -410,31 +411,48 @@ def _record(
         finish_if_done(session, run)
     faults.point("upload.before_commit")
     session.commit()
-    return Submitted(contribution, True, path_index, steps, run.schedule != "round")
+    return Submitted(contribution, True, path_index, steps, run.schedule != "round", run.schedule != "async")
 
 
-def _prior_contribution(session: Session, lease: Lease) -> Contribution | None:
-    """The contribution already accepted for the lease's path and round, from this lease or another."""
-    return session.scalar(
-        select(Contribution).where(Contribution.path_id == lease.path_id, Contribution.round == lease.round)
+@dataclass(frozen=True, slots=True)
+class _LeaseState:
+    """An upload's lease with what its checks read: its run, the contribution already accepted for its path and
+    round (from this lease or another), and its round's status (None: the round has no row, as in an all-async
+    run)."""
+
+    lease: Lease
+    run: Run
+    prior: Contribution | None
+    round_status: RoundStatus | None
+
+
+def _lease_state(session: Session, lease_id: int, *, fresh: bool = False) -> _LeaseState:
+    """One statement (the upload runs it twice: before validation and under the run lock, `fresh`)."""
+    query = (
+        select(Lease, Run, Contribution, Round.status)
+        .join(Run, Run.id == Lease.run_id)
+        .outerjoin(Contribution, and_(Contribution.path_id == Lease.path_id, Contribution.round == Lease.round))
+        .outerjoin(Round, and_(Round.run_id == Lease.run_id, Round.number == Lease.round))
+        .where(Lease.id == lease_id)
     )
+    if fresh:
+        query = query.execution_options(populate_existing=True)
+    row = session.execute(query).first()
+    if row is None:
+        raise NotFound(f"lease {lease_id} does not exist")
+    lease, run, prior, round_status = row
+    return _LeaseState(lease, run, prior, round_status)
 
 
 def _path_index(session: Session, lease: Lease) -> int:
     return session.get_one(Path, lease.path_id).index
 
 
-def _round_status(session: Session, lease: Lease) -> RoundStatus | None:
-    return session.scalar(select(Round.status).where(Round.run_id == lease.run_id, Round.number == lease.round))
-
-
-def _check_lease(
-    session: Session, run: Run, lease: Lease, round_header: int | None, prior: Contribution | None, *, now: datetime
-) -> None:
+def _check_lease(session: Session, found: _LeaseState, round_header: int | None, *, now: datetime) -> None:
     """The lease may still deliver: its round is the run's current one and still open (an all-async run: the
     run is running, and when the lease expired, its token range was not issued again), it was not released, its
     path has no contribution for the round yet (`prior`, from another lease)."""
-    round_status = _round_status(session, lease)
+    lease, run, prior, round_status = found.lease, found.run, found.prior, found.round_status
     if round_header is not None and round_header != lease.round:
         raise Conflict(f"upload is for round {round_header}, lease {lease.id} was issued for round {lease.round}")
     if run.schedule == "async":
@@ -463,9 +481,12 @@ def _check_lease(
         )
 
 
-def _path_levels(session: Session, lease: Lease, *, max_staleness: int) -> dict[int, tuple[int, str]]:
-    """level index -> (module id, level name) of the lease's path; checks the lease's base versions: current on
-    round levels, at most `max_staleness` steps old on async ones (checked again under the lock)."""
+def _path_levels(
+    session: Session, lease: Lease, *, max_staleness: int
+) -> tuple[dict[int, tuple[int, str]], frozenset[int]]:
+    """level index -> (module id, level name) of the lease's path, and its async modules; checks the lease's base
+    versions: current on round levels, at most `max_staleness` steps old on async ones (checked again under the
+    lock)."""
     rows = session.execute(
         select(Module.id, Module.level_index, Module.version, Module.period, Module.period_size, Level.name)
         .join(PathModule, PathModule.module_id == Module.id)
@@ -478,7 +499,8 @@ def _path_levels(session: Session, lease: Lease, *, max_staleness: int) -> dict[
             _check_staleness(lease, module_id, name, base, period, max_staleness)
         elif base != version:
             raise Conflict(f"lease {lease.id} trained module {module_id} version {base}, the module is at {version}")
-    return {level_index: (module_id, name) for module_id, level_index, _, _, _, name in rows}
+    levels = {level_index: (module_id, name) for module_id, level_index, _, _, _, name in rows}
+    return levels, frozenset(module_id for module_id, _, _, _, size, _ in rows if size is not None)
 
 
 def retire_lease(session: Session, lease_id: int, island_id: int) -> bool:
@@ -511,18 +533,13 @@ class _Slot:
 
 
 def _assign_steps(
-    session: Session, run: Run, lease: Lease, levels: dict[int, tuple[int, str]]
+    session: Session, run: Run, lease: Lease, levels: dict[int, tuple[int, str]], async_modules: frozenset[int]
 ) -> tuple[dict[int, _Slot], int]:
     """Each part's module step (under the run's shared lock; the async modules' rows locked, in id order): a
     round level's part goes to the lease's round; an async level's to the module's filling period, which becomes
     a step for the executors when it is full. Refuses (409) a part staler than the run allows. Returns the
     slots and how many steps were made due."""
-    size_of = dict(
-        session.execute(
-            select(Module.id, Module.period_size).where(Module.id.in_([m for m, _ in levels.values()]))
-        ).all()
-    )
-    async_ids = sorted(m for m, _ in levels.values() if size_of[m] is not None)
+    async_ids = sorted(async_modules)
     locked = {
         module.id: module
         for module in session.scalars(
