@@ -50,10 +50,11 @@ def chromium_path() -> Path:
     return CHROMIUM
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """One headless Chromium for the session (each test opens its own context: fresh storage, no shared
-    sessionStorage or cache)."""
+    """One headless Chromium per test module (each test opens its own context: fresh storage, no shared
+    sessionStorage or cache). Not per session: Playwright's sync API keeps an event loop running on the main
+    thread while it is open, and a later test of the same pytest worker that calls `asyncio.run` would fail."""
     sync_api = pytest.importorskip(
         "playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]' (it is a dev extra)"
     )
