@@ -81,10 +81,9 @@ class Submitted:
     path_index: int
     steps: int = 0
     """Module steps this upload made due (async levels: it completed a period, or the run's last one)."""
-    asynchronous: bool = False
-    """The run has async levels."""
-    rounds: bool = True
-    """The run has round levels (its rounds close and apply)."""
+    schedule: str = "round"
+    """The run's schedule: with round levels (`round`, `hybrid`) its rounds close; with async ones (`async`,
+    `hybrid`) its paths free up and its module steps fall due on uploads."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +207,9 @@ class UploadDesk:
             )
             # the round is complete with this upload, whoever closed it: this request, or a sweep or another
             # upload that ran between this commit and the close probe
-            if submitted.created and submitted.rounds:
+            if submitted.created and submitted.schedule != "async":
                 answer.round_applied = self._closer.closed_with(session, answer.run_id, answer.round, now=now)
-            if submitted.created and submitted.asynchronous:
+            if submitted.created and submitted.schedule != "round":
                 self._closer.async_progress(submitted.steps)
             return answer
 
@@ -411,7 +410,7 @@ def _record(
         finish_if_done(session, run)
     faults.point("upload.before_commit")
     session.commit()
-    return Submitted(contribution, True, path_index, steps, run.schedule != "round", run.schedule != "async")
+    return Submitted(contribution, True, path_index, steps, run.schedule)
 
 
 @dataclass(frozen=True, slots=True)
