@@ -191,6 +191,34 @@ def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity:
     return query.order_by(warm_first, Path.index).limit(1)
 
 
+def _choose_locked(
+    session: Session, rnd: OpenRound, island_id: int, *, now: datetime, affinity: Affinity
+) -> tuple[Path, tuple[int, str, int, str | None, int | None], bool] | None:
+    """Under the run lock, in one statement: the free path to lease (`_free_path_query` again), its shard row
+    (`SHARD_VIEW`), and whether the run has stale pending leases to mark expired; None when no path is free or
+    the round is no longer open (a close marks it closing under the run lock, so this read sees it)."""
+    still_open = (
+        select(Round.id)
+        .where(Round.run_id == rnd.run_id, Round.number == rnd.number, Round.status == RoundStatus.OPEN)
+        .exists()
+    )
+    stale = (
+        select(Lease.id)
+        .where(Lease.run_id == rnd.run_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at < now)
+        .exists()
+    )
+    row = session.execute(
+        _free_path_query(rnd, island_id, now=now, affinity=affinity)
+        .add_columns(*SHARD_VIEW, stale)
+        .join(Shard, and_(Shard.run_id == Path.run_id, Shard.path_index == Path.index))
+        .where(still_open)
+    ).one_or_none()
+    if row is None:
+        return None
+    path, *shard, has_stale = row
+    return path, tuple(shard), bool(has_stale)  # type: ignore[return-value]
+
+
 def _own_path_stepping(session: Session, run_id: int, island_id: int, budget: int) -> bool:
     """Whether the island's home path in the run still has steps to train but waits for a module step: the
     island then waits for it (well under a lease's time) rather than taking another path cold."""
@@ -226,19 +254,25 @@ def acquire_lease(
         probe = _free_path_query(rnd, island_id, now=now, affinity=affinity).with_only_columns(Path.id)
         if session.scalar(probe) is None:
             continue
+        # FOR NO KEY UPDATE: grants queue behind each other and behind a close (FOR UPDATE), not behind uploads
+        # (FOR KEY SHARE, `uploads._record`)
         run = session.scalar(
-            select(Run).where(Run.id == rnd.run_id).with_for_update().execution_options(populate_existing=True)
+            select(Run)
+            .where(Run.id == rnd.run_id)
+            .with_for_update(key_share=True)
+            .execution_options(populate_existing=True)
         )
-        if run is None or run.status != RunStatus.RUNNING or run.current_round != rnd.number or _closing(session, rnd):
+        if run is None or run.status != RunStatus.RUNNING or run.current_round != rnd.number:
             session.rollback()
             continue
-        expired = expire_stale_leases(session, now=now, run_id=run.id)
-        path = session.scalar(_free_path_query(rnd, island_id, now=now, affinity=affinity))
-        if path is None:
+        chosen = _choose_locked(session, rnd, island_id, now=now, affinity=affinity)
+        if chosen is None:  # taken meanwhile, or the round began closing
             session.rollback()
             continue
+        path, shard, stale = chosen
+        expired = expire_stale_leases(session, now=now, run_id=run.id) if stale else 0
         _check_capacity(session, island_id, now=now, max_leases=max_leases)
-        lease = _issue(session, run, path, island_id, now=now)
+        lease = _issue(session, run, path, island_id, now=now, shard=_shard_view(run, *shard))
         session.commit()
         return lease, expired
     session.rollback()
@@ -337,24 +371,16 @@ def _probes(session: Session, island_id: int) -> dict[int, float]:
     return probes
 
 
-def _closing(session: Session, rnd: OpenRound) -> bool:
-    """Whether the round closed since it was read (under the run lock: a close holds it too)."""
-    status = session.scalar(select(Round.status).where(Round.run_id == rnd.run_id, Round.number == rnd.number))
-    return status != RoundStatus.OPEN
-
-
 def _check_capacity(session: Session, island_id: int, *, now: datetime, max_leases: int) -> None:
-    """Refuse (409, after a rollback) a lease to an island that already holds as many as it may."""
-    island = session.get_one(Island, island_id)
-    claimed = island.capabilities.get("max_leases", 1)
+    """Refuse (409, after a rollback) a lease to an island that already holds as many as it may (its claimed
+    `max_leases` and the count of its pending leases in one statement; their ids only for the refusal)."""
+    pending = [Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now]
+    count = select(func.count(Lease.id)).where(*pending).scalar_subquery()
+    capabilities, holding = session.execute(select(Island.capabilities, count).where(Island.id == island_id)).one()
+    claimed = capabilities.get("max_leases", 1) if isinstance(capabilities, dict) else 1
     allowed = max(1, min(max_leases, claimed if isinstance(claimed, int) else 1))
-    held = session.scalars(
-        select(Lease.id)
-        .where(Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now)
-        .order_by(Lease.id)
-        .limit(allowed)
-    ).all()
-    if len(held) >= allowed:
+    if holding >= allowed:
+        held = session.scalars(select(Lease.id).where(*pending).order_by(Lease.id)).all()
         session.rollback()
         listed = ", ".join(str(lease_id) for lease_id in held)
         raise Conflict(
@@ -511,8 +537,13 @@ def _issue(
     *,
     now: datetime,
     span: Span | None = None,
+    shard: tuple[LeaseShard, LeaseHeldout | None] | None = None,
 ) -> LeasePublic:
-    shard, modules = _shard(session, run, path.index), _modules(session, path.id)
+    """Insert a lease of `path` for the island (flushed, not committed) and return its view; `shard` when the
+    caller read it already (`_choose_locked`)."""
+    if shard is None:
+        shard = _shard(session, run, path.index)
+    modules = _modules(session, path.id)
     expires = now + timedelta(seconds=run.lease_ttl_s)
     versions = {str(m.module_id): m.version for m in modules}
     lease = _new_lease(

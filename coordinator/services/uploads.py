@@ -331,11 +331,13 @@ def _record(
     now: datetime,
     faults: FaultInjector,
 ) -> Submitted:
-    """Under a shared lock on the run row: check the lease again, store the body, write the contribution, mark
+    """Under a key-share lock on the run row: check the lease again, store the body, write the contribution, mark
     the lease submitted and advance the path's data cursor; commit."""
     # the lock first, then the rows in a statement of their own: on PostgreSQL a statement that waited for the
-    # lock would still see the other rows as they were when it started (a round closed meanwhile, say)
-    session.execute(select(Run.id).where(Run.id == checked.run_id).with_for_update(read=True))
+    # lock would still see the other rows as they were when it started (a round closed meanwhile, say).
+    # FOR KEY SHARE: uploads go side by side and past lease grants (FOR NO KEY UPDATE); a close or a step
+    # commit (FOR UPDATE) waits for them, and they for it
+    session.execute(select(Run.id).where(Run.id == checked.run_id).with_for_update(read=True, key_share=True))
     found = _lease_state(session, upload.lease_id, fresh=True)
     lease, run, prior = found.lease, found.run, found.prior
     if prior is not None and prior.lease_id == upload.lease_id:

@@ -5,14 +5,16 @@ payload validation and again under the run lock. It is 9 now (docs/LOG.md, 2026-
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event
+from sqlalchemy import event, select
 
 from coordinator.app import create_app
+from coordinator.models import Run
 from coordinator.services.rounds import after_upload
 from coordinator.settings import Settings
 from tests.conftest import FakeClock
@@ -89,3 +91,58 @@ def test_after_upload_tells_open_ready_and_closed(no_executors: TestClient, cloc
     assert client.app.state.dipaco.closer.closed_with(sessions(), run["id"], 0, now=clock())  # type: ignore[attr-defined]
     with sessions() as session:
         assert after_upload(session, run["id"], 0, clock()) == "closed"
+
+
+LEASE_STATEMENTS = 9
+"""The island (auth), a pending offer, the open rounds, the unlocked free-path probe, the run lock, the free path
+again with its shard and the stale-lease flag, the island's capacity, the path's modules, the insert."""
+
+
+def test_a_lease_grant_takes_nine_statements(quiet: TestClient) -> None:
+    client = quiet
+    run = create_running_run(client, lease_ttl_s=600)
+    islands = [join(client, f"i{p}") for p in range(run["num_paths"])]
+    for iid, h in islands:
+        with counted(client) as statements:
+            body = lease(client, iid, h)
+        assert body is not None
+        assert len(statements) <= LEASE_STATEMENTS, statements
+    # the island's capacity is still enforced (one lease at a time by default), with the held lease named
+    iid, h = islands[0]
+    r = client.post(f"/v1/islands/{iid}/lease", headers=h)
+    assert r.status_code in (204, 409), r.text
+
+
+def test_an_upload_passes_a_lease_grants_run_lock_and_waits_for_a_closes(quiet: TestClient) -> None:
+    """On PostgreSQL a grant locks the run row FOR NO KEY UPDATE and an upload FOR KEY SHARE: an upload never
+    queues behind lease grants, while a close or a step commit (FOR UPDATE) still excludes it."""
+    client = quiet
+    engine = client.app.state.dipaco.engine  # type: ignore[attr-defined]
+    if engine.dialect.name != "postgresql":
+        pytest.skip("row lock modes are PostgreSQL's; SQLite serialises every writer with BEGIN IMMEDIATE")
+    run = create_running_run(client, lease_ttl_s=600)
+    islands = [join(client, f"i{p}") for p in range(2)]
+    leases = [lease(client, iid, h) for iid, h in islands]
+    assert all(body is not None for body in leases)
+    payloads = [train_lease(client, body, h) for body, (_, h) in zip(leases, islands, strict=True)]  # type: ignore[arg-type]
+
+    def upload_in_thread(p: int) -> tuple[threading.Thread, list[int]]:
+        codes: list[int] = []
+        worker = threading.Thread(
+            target=lambda: codes.append(upload(client, leases[p], islands[p][1], payloads[p]).status_code)  # type: ignore[arg-type]
+        )
+        worker.start()
+        return worker, codes
+
+    for key_share, p in ((True, 0), (False, 1)):  # a grant's lock, then a close's
+        with engine.connect() as other:
+            other.execute(select(Run.id).where(Run.id == run["id"]).with_for_update(key_share=key_share))
+            worker, codes = upload_in_thread(p)
+            worker.join(timeout=1.5 if not key_share else 15)
+            if key_share:
+                assert not worker.is_alive() and codes == [200], "an upload waited for a lease grant's lock"
+            else:
+                assert worker.is_alive(), "an upload went past a close's lock"
+            other.rollback()
+        worker.join(timeout=15)
+        assert codes == [200]
