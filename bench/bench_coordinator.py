@@ -723,29 +723,7 @@ def bench_apply(k: int, d_model: int, executors: list[int]) -> dict[str, Any]:
     try:
         for i, n in enumerate(executors):
             run_id = _round_of_uploads(state, f"apply-{i}-{n}", k, d_model, distinct=8)
-            procs = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "dipaco",
-                        "coordinator",
-                        "apply-worker",
-                        "--database-url",
-                        url_db,
-                        "--blob-url",
-                        settings.resolved_blob_url,
-                        "--poll-s",
-                        "0.05",
-                        "--log-level",
-                        "warning",
-                    ],
-                    cwd=ROOT,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )  # fmt: skip
-                for _ in range(n)
-            ]
+            procs = [start_apply_worker(url_db, settings.resolved_blob_url) for _ in range(n)]
             time.sleep(12)  # imports done, polling
             start = time.monotonic()
             with state.sessions() as s:
@@ -776,12 +754,24 @@ def bench_apply(k: int, d_model: int, executors: list[int]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- islands
 
 
+def start_apply_worker(database_url: str, blob_url: str) -> subprocess.Popen[bytes]:
+    """One `dipaco coordinator apply-worker` process (its output is dropped)."""
+    command = [sys.executable, "-m", "dipaco", "coordinator", "apply-worker", "--database-url", database_url,
+               "--blob-url", blob_url, "--poll-s", "0.05", "--log-level", "warning"]  # fmt: skip
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 async def bench_islands(
-    n: int, seconds: float, workers: int, train_s: float, ramp_s: float, paths: int
+    n: int, seconds: float, workers: int, train_s: float, ramp_s: float, paths: int, external_apply: bool = False
 ) -> dict[str, Any]:
+    """`n` simulated islands against one coordinator on PostgreSQL; with `external_apply` the coordinator runs
+    no apply executor (`--apply-workers 0`) and one `apply-worker` process applies the rounds, so that the apply's
+    CPU does not share the coordinator's GIL."""
     url_db = pg_database()
     tmp = Path(tempfile.mkdtemp(prefix="dipaco-islands-"))
-    proc, url = start_coordinator(tmp / "coordinator", url_db, workers=workers)
+    extra = ("--apply-workers", "0") if external_apply else ()
+    proc, url = start_coordinator(tmp / "coordinator", url_db, workers=workers, extra_args=extra)
+    applier = start_apply_worker(url_db, str((tmp / "coordinator" / "blobs").resolve())) if external_apply else None
     latencies: dict[str, list[float]] = {"lease": [], "heartbeat": [], "upload": []}
     accepted = 0
     errors: list[str] = []
@@ -885,8 +875,10 @@ async def bench_islands(
             stored = len(admin.contributions(run_id=run.id))
             rounds = admin.run(run.id).current_round
     finally:
-        proc.terminate()
-        proc.wait()
+        for child in (proc, applier):
+            if child is not None:
+                child.terminate()
+                child.wait()
         drop_pg(url_db)
     everything = [x for kind, v in latencies.items() if "server" not in kind for x in v]
     summary = {
@@ -901,6 +893,7 @@ async def bench_islands(
         "islands": n,
         "paths": run.num_paths,
         "workers": workers,
+        "external_apply": external_apply,
         "seconds": seconds,
         "train_s": train_s,
         "ramp_s": ramp_s,
@@ -1023,6 +1016,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--train-s", type=float, default=TRAIN_S, help="mean simulated inner phase of a lease (s)")
     ap.add_argument("--ramp-s", type=float, default=0.0, help="islands start evenly over this many seconds")
+    ap.add_argument("--external-apply", action="store_true", help="islands: rounds applied by an apply-worker process")
     args = ap.parse_args()
     if args.which == "upload":
         result = bench_upload(args.mb, args.repeats)
@@ -1036,7 +1030,9 @@ def main() -> None:
         result = bench_cost(args.islands)
     else:
         result = asyncio.run(
-            bench_islands(args.islands, args.seconds, args.workers, args.train_s, args.ramp_s, args.paths)
+            bench_islands(
+                args.islands, args.seconds, args.workers, args.train_s, args.ramp_s, args.paths, args.external_apply
+            )
         )
     print(json.dumps(result, indent=2))
     sys.exit(0 if result["ok"] else 1)
