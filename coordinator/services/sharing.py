@@ -45,7 +45,7 @@ def stepping(path_id: object) -> Any:
     )
 
 
-def live_islands(island_id: int, now: datetime, live_s: float) -> Select[tuple[int]]:
+def live_islands(island_id: int, now: datetime, live_s: float) -> Select[Any]:
     """Other islands that are active and heartbeated within `live_s`."""
     return select(Island.id).where(
         Island.id != island_id,
@@ -54,7 +54,7 @@ def live_islands(island_id: int, now: datetime, live_s: float) -> Select[tuple[i
     )
 
 
-def home_paths(run_id: int, islands: Any) -> Select[tuple[int]]:
+def home_paths(run_id: int, islands: Any) -> Select[Any]:
     """The home path in the run of each island in `islands` (a select of island ids): the path of its latest
     lease that was not shared."""
     latest = (
