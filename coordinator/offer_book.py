@@ -29,6 +29,8 @@ class OfferBook:
 
     def __init__(self) -> None:
         self._ready: dict[int, ReadyOffer] = {}
+        self._seen: dict[int, datetime] = {}
+        """lease id -> expiry of every offer put and not yet run out, taken up or not (`adopt`)."""
         self._lock = threading.Lock()
         self._queue: list[tuple[ReadyOffer, asyncio.Future[LeasePublic | None]]] = []
         self._drain: asyncio.Task[None] | None = None
@@ -37,7 +39,19 @@ class OfferBook:
         """Hold committed offers (any thread); offers that ran out are dropped on the way."""
         with self._lock:
             self._ready = {i: o for i, o in self._ready.items() if as_utc(o.lease.expires_at) >= now}
-            self._ready.update((offer.island_id, offer) for offer in offers)
+            self._seen = {i: at for i, at in self._seen.items() if at >= now}
+            for offer in offers:
+                self._ready[offer.island_id] = offer
+                self._seen[offer.lease_id] = as_utc(offer.lease.expires_at)
+
+    def adopt(self, offers: Iterable[ReadyOffer], *, now: datetime) -> int:
+        """Hold offers read from the database (`leases.pending_offers`), except those this book held before:
+        one of them may be being taken up right now, and holding it again would only cost its island a failed
+        take-up later. Returns how many were new."""
+        with self._lock:
+            fresh = [offer for offer in offers if offer.lease_id not in self._seen]
+        self.put(fresh, now=now)
+        return len(fresh)
 
     def pop(self, island_id: int, *, now: datetime) -> ReadyOffer | None:
         with self._lock:

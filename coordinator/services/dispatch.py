@@ -8,7 +8,8 @@
    deadline, that round may close on quorum now (`RoundCloser`), and its successor has work.
 With `wait_s`, a request that found nothing sleeps on the `WorkSignal` until something changes or the time is
 up, then tries again. `sweep` is the background pass: expire leases, close due rounds, notice changes made by
-other processes.
+other processes (and when a round opened, put its offers in the `OfferBook`: an `apply-worker` or another worker
+made them, and its islands are about to ask at once).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class LeaseDispatcher:
         self._presign_expiry_s = presign_expiry_s
         """Leases one island may hold at once (its capabilities may ask for fewer)."""
         self._slots = asyncio.Semaphore(MAX_LEASE_ATTEMPTS)
+        self._newest_round: int | None = -1
+        """The newest round id the sweep saw (-1: none yet); a new one makes it adopt the database's offers."""
 
     @property
     def affinity(self) -> Affinity:
@@ -189,7 +192,13 @@ class LeaseDispatcher:
             self._metrics.lease_expiries.inc(leases.expire_stale_leases(session, now=now))
             session.commit()
             self._closer.close_ready(session, None, now=now)
-            self._wakeups.notify_if_changed(leases.work_signature(session, now=now, reserve_s=self._affinity.reserve_s))
+            signature = leases.work_signature(session, now=now, reserve_s=self._affinity.reserve_s)
+            if signature[0] != self._newest_round:
+                # a round opened (or this process just started): its offers into the book before the waiting
+                # islands wake, so that they are taken up in batches, not one transaction each (`take_offer`)
+                self._offers.adopt(leases.pending_offers(session, now=now), now=now)
+                self._newest_round = signature[0]
+            self._wakeups.notify_if_changed(signature)
             session.rollback()
 
 

@@ -216,7 +216,7 @@ def _choose_locked(
     if row is None:
         return None
     path, *shard, has_stale = row
-    return path, tuple(shard), bool(has_stale)  # type: ignore[return-value]
+    return path, tuple(shard), bool(has_stale)
 
 
 def _own_path_stepping(session: Session, run_id: int, island_id: int, budget: int) -> bool:
@@ -594,24 +594,7 @@ def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
         chosen.setdefault(path.last_island_id, path)
     if not chosen:
         return []
-    paths = {path.id: path for path in chosen.values()}
-    shards = {
-        index: _shard_view(run, shard_id, tokens_hash, n, heldout_hash, heldout_n)
-        for index, shard_id, tokens_hash, n, heldout_hash, heldout_n in session.execute(
-            select(Shard.path_index, *SHARD_VIEW).where(Shard.run_id == run.id)
-        )
-    }
-    modules: dict[int, list[LeaseModule]] = {path_id: [] for path_id in paths}
-    for path_id, module_id, level, version, weights, name in session.execute(
-        select(PathModule.path_id, Module.id, Module.level_index, Module.version, Module.weights_hash, Level.name)
-        .join(Module, Module.id == PathModule.module_id)
-        .join(Level, Level.id == Module.level_id)
-        .where(PathModule.path_id.in_(list(paths)))
-        .order_by(PathModule.path_id, Module.level_index)
-    ):
-        modules[path_id].append(
-            LeaseModule(level=level, level_name=name, module_id=module_id, version=version, weights_hash=weights)
-        )
+    shards, modules = _views(session, run, list(chosen.values()))
     expires = now + timedelta(seconds=affinity.reserve_s)
     offers = {
         island_id: _new_lease(
@@ -637,6 +620,66 @@ def offer_next_round(session: Session, run: Run, *, now: datetime, affinity: Aff
         )
         for island_id, lease in offers.items()
     ]
+
+
+def _views(
+    session: Session, run: Run, paths: list[Path]
+) -> tuple[dict[int, tuple[LeaseShard, LeaseHeldout | None]], dict[int, list[LeaseModule]]]:
+    """What lease views of `paths` need, in two statements: the run's shards by path index, and each path's
+    modules at their current versions (by path id, in level order)."""
+    shards = {
+        index: _shard_view(run, shard_id, tokens_hash, n, heldout_hash, heldout_n)
+        for index, shard_id, tokens_hash, n, heldout_hash, heldout_n in session.execute(
+            select(Shard.path_index, *SHARD_VIEW).where(Shard.run_id == run.id)
+        )
+    }
+    modules: dict[int, list[LeaseModule]] = {path.id: [] for path in paths}
+    for path_id, module_id, level, version, weights, name in session.execute(
+        select(PathModule.path_id, Module.id, Module.level_index, Module.version, Module.weights_hash, Level.name)
+        .join(Module, Module.id == PathModule.module_id)
+        .join(Level, Level.id == Module.level_id)
+        .where(PathModule.path_id.in_(list(modules)))
+        .order_by(PathModule.path_id, Module.level_index)
+    ):
+        modules[path_id].append(
+            LeaseModule(level=level, level_name=name, module_id=module_id, version=version, weights_hash=weights)
+        )
+    return shards, modules
+
+
+def pending_offers(session: Session, *, now: datetime) -> list[ReadyOffer]:
+    """Every offer of a running run's current round not yet taken up or run out, with its lease view: those
+    another process's apply made (an `apply-worker`, another worker or replica) or made before a restart, for
+    this process's `OfferBook`. One read of the offers, then two per run (`_views`)."""
+    rows = session.execute(
+        select(Lease, Run, Path)
+        .join(Run, Run.id == Lease.run_id)
+        .join(Path, Path.id == Lease.path_id)
+        .where(
+            Lease.status == LeaseStatus.OFFERED,
+            Lease.expires_at >= now,
+            Run.status == RunStatus.RUNNING,
+            Lease.round == Run.current_round,
+        )
+        .order_by(Lease.id)
+    ).all()
+    by_run: dict[int, list[tuple[Lease, Run, Path]]] = {}
+    for lease, run, path in rows:
+        by_run.setdefault(run.id, []).append((lease, run, path))
+    ready: list[ReadyOffer] = []
+    for offered in by_run.values():
+        run = offered[0][1]
+        shards, modules = _views(session, run, [path for _, _, path in offered])
+        ready.extend(
+            ReadyOffer(
+                island_id=lease.island_id,
+                lease_id=lease.id,
+                lease_ttl_s=run.lease_ttl_s,
+                lease=_public(run, path, lease, shards[path.index], modules[path.id]),
+            )
+            for lease, _, path in offered
+        )
+    return ready
 
 
 def take_up_offers(session: Session, offers: list[ReadyOffer], *, now: datetime) -> list[LeasePublic | None]:

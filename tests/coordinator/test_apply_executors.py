@@ -10,7 +10,8 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from coordinator.models import ModuleStep, ModuleVersion
+from coordinator.models import Lease, ModuleStep, ModuleVersion
+from coordinator.services import leases
 from coordinator.services.apply import ApplyExecutor, apply_step, claim_step, release_dead_claims
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
@@ -107,3 +108,35 @@ def test_executors_split_a_round_and_each_step_commits_once(no_executors: TestCl
     assert sum(e.steps for e in executors) == 6
     assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
     assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+
+
+def test_offers_an_external_executor_made_are_adopted_by_the_sweep_and_taken_up_from_memory(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    """Offers made by an apply in another process (an `apply-worker`) are not in this process's offer book; the
+    sweep that sees the new round puts them there, so that the islands, all asking at once, take them up in
+    batches instead of one database transaction each (`leases.take_offer`)."""
+    client = no_executors
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    run = create_running_run(client, name="adopt")
+    islands = [join(client, f"island-{p}") for p in range(run["num_paths"])]
+    for island_id, h in islands:
+        body = lease(client, island_id, h)
+        assert body is not None
+        assert upload(client, body, h, train_lease(client, body, h)).status_code == 200
+    elsewhere = _executor(client, "elsewhere", clock, affinity=state.dispatcher.affinity)  # as `apply-worker` has
+    assert elsewhere.work() == 6  # and offers each island its path of round 1
+    assert len(state.offers) == 0  # made elsewhere: not in this process's book
+    state.dispatcher.sweep()
+    assert len(state.offers) == 4
+    with state.sessions() as session:
+        again = leases.pending_offers(session, now=clock())
+    assert len(again) == 4 and state.offers.adopt(again, now=clock()) == 0  # held before: not adopted twice
+    for p, (island_id, h) in enumerate(islands):
+        got = lease(client, island_id, h)
+        assert got is not None and (got["round"], got["path_index"]) == (1, p)
+        assert got["modules"][0]["version"] == 1  # the view built from the database: versions after the apply
+    assert len(state.offers) == 0  # each taken from the book
+    with state.sessions() as session:
+        statuses = session.scalars(select(Lease.status).where(Lease.round == 1)).all()
+    assert statuses == ["active"] * 4
