@@ -59,7 +59,7 @@ def test_async_service_equals_the_replayed_reference(
     with cluster.admin() as client:
         islands = [cluster.start_island("island-0")]
         with monkeypatch.context() as env:
-            env.setenv(STALL_ENV, "*:2:3.0")  # island-0 fills a period (2 uploads) during each of these leases
+            env.setenv(STALL_ENV, "*:2:5.0")  # island-0 fills a period (2 uploads) during each of these leases
             islands.append(cluster.start_island("island-1"))
         wait_islands_joined(client, 2)
         spec = {**SPEC, "sparse_rows": sparse_rows, "staleness_damping": damping, "path_leases": path_leases}
