@@ -101,16 +101,21 @@ again with its shard and the stale-lease flag, the island's capacity, the path's
 def test_a_lease_grant_takes_nine_statements(quiet: TestClient) -> None:
     client = quiet
     run = create_running_run(client, lease_ttl_s=600)
-    islands = [join(client, f"i{p}") for p in range(run["num_paths"])]
+    islands = [join(client, f"i{p}") for p in range(run["num_paths"] - 1)]
+    held = []
     for iid, h in islands:
         with counted(client) as statements:
             body = lease(client, iid, h)
         assert body is not None
+        held.append(body["lease_id"])
         assert len(statements) <= LEASE_STATEMENTS, statements
-    # the island's capacity is still enforced (one lease at a time by default), with the held lease named
+    # a path is still free, and the island's capacity (one lease at a time by default) refuses it, naming the lease
     iid, h = islands[0]
     r = client.post(f"/v1/islands/{iid}/lease", headers=h)
-    assert r.status_code in (204, 409), r.text
+    assert r.status_code == 409, r.text
+    assert r.json()["detail"] == (
+        f"island {iid} already holds 1 lease(s) ({held[0]}), as many as it may at once; upload or release one first"
+    )
 
 
 def test_an_upload_passes_a_lease_grants_run_lock_and_waits_for_a_closes(quiet: TestClient) -> None:
