@@ -44,6 +44,11 @@ class OfferBook:
                 self._ready[offer.island_id] = offer
                 self._seen[offer.lease_id] = as_utc(offer.lease.expires_at)
 
+    def known(self) -> frozenset[int]:
+        """Lease ids of the offers this book held and that have not run out (`adopt` leaves them out)."""
+        with self._lock:
+            return frozenset(self._seen)
+
     def adopt(self, offers: Iterable[ReadyOffer], *, now: datetime) -> int:
         """Hold offers read from the database (`leases.pending_offers`), except those this book held before:
         one of them may be being taken up right now, and holding it again would only cost its island a failed

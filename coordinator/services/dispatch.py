@@ -196,7 +196,7 @@ class LeaseDispatcher:
             if signature[0] != self._newest_round:
                 # a round opened (or this process just started): its offers into the book before the waiting
                 # islands wake, so that they are taken up in batches, not one transaction each (`take_offer`)
-                self._offers.adopt(leases.pending_offers(session, now=now), now=now)
+                self._offers.adopt(leases.pending_offers(session, now=now, known=self._offers.known()), now=now)
                 self._newest_round = signature[0]
             self._wakeups.notify_if_changed(signature)
             session.rollback()

@@ -21,6 +21,7 @@ there), and only when a path is free, the run row locked and the choice made aga
 from __future__ import annotations
 
 import statistics
+from collections.abc import Container
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -192,9 +193,9 @@ def _free_path_query(rnd: OpenRound, island_id: int, *, now: datetime, affinity:
 
 
 def _choose_locked(
-    session: Session, rnd: OpenRound, island_id: int, *, now: datetime, affinity: Affinity
-) -> tuple[Path, tuple[int, str, int, str | None, int | None], bool] | None:
-    """Under the run lock, in one statement: the free path to lease (`_free_path_query` again), its shard row
+    session: Session, run: Run, rnd: OpenRound, island_id: int, *, now: datetime, affinity: Affinity
+) -> tuple[Path, tuple[LeaseShard, LeaseHeldout | None], bool] | None:
+    """Under the run lock, in one statement: the free path to lease (`_free_path_query` again), its shard's view
     (`SHARD_VIEW`), and whether the run has stale pending leases to mark expired; None when no path is free or
     the round is no longer open (a close marks it closing under the run lock, so this read sees it)."""
     still_open = (
@@ -216,7 +217,7 @@ def _choose_locked(
     if row is None:
         return None
     path, *shard, has_stale = row
-    return path, tuple(shard), bool(has_stale)
+    return path, _shard_view(run, *shard), bool(has_stale)
 
 
 def _own_path_stepping(session: Session, run_id: int, island_id: int, budget: int) -> bool:
@@ -265,14 +266,14 @@ def acquire_lease(
         if run is None or run.status != RunStatus.RUNNING or run.current_round != rnd.number:
             session.rollback()
             continue
-        chosen = _choose_locked(session, rnd, island_id, now=now, affinity=affinity)
+        chosen = _choose_locked(session, run, rnd, island_id, now=now, affinity=affinity)
         if chosen is None:  # taken meanwhile, or the round began closing
             session.rollback()
             continue
         path, shard, stale = chosen
         expired = expire_stale_leases(session, now=now, run_id=run.id) if stale else 0
         _check_capacity(session, island_id, now=now, max_leases=max_leases)
-        lease = _issue(session, run, path, island_id, now=now, shard=_shard_view(run, *shard))
+        lease = _issue(session, run, path, island_id, now=now, shard=shard)
         session.commit()
         return lease, expired
     session.rollback()
@@ -647,10 +648,11 @@ def _views(
     return shards, modules
 
 
-def pending_offers(session: Session, *, now: datetime) -> list[ReadyOffer]:
+def pending_offers(session: Session, *, now: datetime, known: Container[int] = ()) -> list[ReadyOffer]:
     """Every offer of a running run's current round not yet taken up or run out, with its lease view: those
     another process's apply made (an `apply-worker`, another worker or replica) or made before a restart, for
-    this process's `OfferBook`. One read of the offers, then two per run (`_views`)."""
+    this process's `OfferBook`; offers whose lease id is in `known` (the book's) are left out before any view is
+    built. One read of the offers, then two per run with offers left (`_views`)."""
     rows = session.execute(
         select(Lease, Run, Path)
         .join(Run, Run.id == Lease.run_id)
@@ -663,13 +665,13 @@ def pending_offers(session: Session, *, now: datetime) -> list[ReadyOffer]:
         )
         .order_by(Lease.id)
     ).all()
-    by_run: dict[int, list[tuple[Lease, Run, Path]]] = {}
+    by_run: dict[int, tuple[Run, list[tuple[Lease, Path]]]] = {}
     for lease, run, path in rows:
-        by_run.setdefault(run.id, []).append((lease, run, path))
+        if lease.id not in known:
+            by_run.setdefault(run.id, (run, []))[1].append((lease, path))
     ready: list[ReadyOffer] = []
-    for offered in by_run.values():
-        run = offered[0][1]
-        shards, modules = _views(session, run, [path for _, _, path in offered])
+    for run, offered in by_run.values():
+        shards, modules = _views(session, run, [path for _, path in offered])
         ready.extend(
             ReadyOffer(
                 island_id=lease.island_id,
@@ -677,7 +679,7 @@ def pending_offers(session: Session, *, now: datetime) -> list[ReadyOffer]:
                 lease_ttl_s=run.lease_ttl_s,
                 lease=_public(run, path, lease, shards[path.index], modules[path.id]),
             )
-            for lease, _, path in offered
+            for lease, path in offered
         )
     return ready
 
