@@ -118,6 +118,13 @@ def start_coordinator(
     raise RuntimeError("coordinator did not start")
 
 
+def start_apply_worker(database_url: str, blob_url: str) -> subprocess.Popen[bytes]:
+    """One `dipaco coordinator apply-worker` process (its output is dropped)."""
+    command = [sys.executable, "-m", "dipaco", "coordinator", "apply-worker", "--database-url", database_url,
+               "--blob-url", blob_url, "--poll-s", "0.05", "--log-level", "warning"]  # fmt: skip
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def pg_database() -> str:
     import psycopg
 
@@ -752,13 +759,6 @@ def bench_apply(k: int, d_model: int, executors: list[int]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------- islands
-
-
-def start_apply_worker(database_url: str, blob_url: str) -> subprocess.Popen[bytes]:
-    """One `dipaco coordinator apply-worker` process (its output is dropped)."""
-    command = [sys.executable, "-m", "dipaco", "coordinator", "apply-worker", "--database-url", database_url,
-               "--blob-url", blob_url, "--poll-s", "0.05", "--log-level", "warning"]  # fmt: skip
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 async def bench_islands(
