@@ -34,7 +34,8 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_async.py [--quick] [--budget-s 180] [--inner-steps 30]
         [--min-inner-steps 10] [--max-inner-steps 60] [--batch-size 16] [--points 6] [--eval-docs 200] [--seed 0]
         [--slow-factor 3] [--parts 1,2,3] [--modes round,async,hybrid] [--damping inverse|inverse_square|none]
-        [--max-staleness S] [--path-leases N] [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
+        [--max-staleness S] [--path-leases N] [--async-outer-lr LR]
+        [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
 
 The defaults take ~15-20 minutes on 2 cores, `--quick` (20 s per mode, H 10) ~3.5 minutes: a smoke test whose
 numbers are dominated by per-lease overheads.
@@ -120,6 +121,8 @@ class Config:
     path_leases: int | None = None
     """The async run's `path_leases` (path sharing: leases that may train one path at once; None: the run
     default, 2)."""
+    async_outer_lr: float | None = None
+    """The async and hybrid runs' outer learning rate (None: the run default, 0.7, as round's)."""
 
 
 # ------------------------------------------------------------------------------------------ signals from outside
@@ -287,6 +290,8 @@ def run_spec(mode: str, layout: str, cfg: Config) -> RunCreate:
         spec["staleness_damping"] = cfg.damping
         if cfg.max_staleness is not None:
             spec["max_staleness"] = cfg.max_staleness
+        if cfg.async_outer_lr is not None:
+            spec["outer"] = {"lr": cfg.async_outer_lr}
     return RunCreate.model_validate(spec)
 
 
@@ -578,6 +583,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
     parser.add_argument(
         "--path-leases", type=int, default=None, help="the async run's path_leases (default: the run's, 2; 1: off)"
     )
+    parser.add_argument(
+        "--async-outer-lr", type=float, default=None, help="the async/hybrid runs' outer lr (default: the run's, 0.7)"
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")
     args = parser.parse_args(argv)
@@ -603,6 +611,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         damping=args.damping,
         max_staleness=args.max_staleness,
         path_leases=args.path_leases,
+        async_outer_lr=args.async_outer_lr,
     )
     return config, args.out, args.workdir
 
@@ -626,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{cfg.budget_s:g} s per mode; H {cfg.inner_steps} (async {cfg.min_inner_steps}..{cfg.max_inner_steps}), "
         f"batch {cfg.batch_size}; seed {cfg.seed}; parts {','.join(map(str, sorted(cfg.parts)))}; "
         f"modes {','.join(cfg.modes)}; damping {cfg.damping}; max_staleness {cfg.max_staleness}; "
-        f"path_leases {cfg.path_leases}"
+        f"path_leases {cfg.path_leases}; async outer lr {cfg.async_outer_lr}"
     )
     print(f"logs and registries: {rundir}")
 
