@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from coordinator.schemas import ContributionSummary, EventPublic, LeaseSummary, ModulePublic, RunCreate
+from coordinator.schemas import ContributionSummary, EventPublic, LeaseSummary, ModulePublic, OuterSpec, RunCreate
 from coordinator.states import EventKind, LeaseStatus
 from dipaco.evaluation import fetch_run_paths, load_documents
 from dipaco.quality import HALVES, QualitySettings, VersionedWeights, prepare_corpus, shards_for, split_heldout
@@ -122,7 +122,7 @@ class Config:
     """The async run's `path_leases` (path sharing: leases that may train one path at once; None: the run
     default, 2)."""
     async_outer_lr: float | None = None
-    """The async and hybrid runs' outer learning rate (None: the run default, 0.7, as round's)."""
+    """The async and hybrid runs' outer learning rate (None: the run default, as round's)."""
 
 
 # ------------------------------------------------------------------------------------------ signals from outside
@@ -584,7 +584,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         "--path-leases", type=int, default=None, help="the async run's path_leases (default: the run's, 2; 1: off)"
     )
     parser.add_argument(
-        "--async-outer-lr", type=float, default=None, help="the async/hybrid runs' outer lr (default: the run's, 0.7)"
+        "--async-outer-lr",
+        type=float,
+        default=None,
+        help=f"the async/hybrid runs' outer lr (default: the run's, {OuterSpec().lr})",
     )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")
