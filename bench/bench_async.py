@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from coordinator.schemas import ContributionSummary, EventPublic, LeaseSummary, ModulePublic, OuterSpec, RunCreate
+from coordinator.services.runs import DEFAULT_ASYNC_LR_FACTOR
 from coordinator.states import EventKind, LeaseStatus
 from dipaco.evaluation import fetch_run_paths, load_documents
 from dipaco.quality import HALVES, QualitySettings, VersionedWeights, prepare_corpus, shards_for, split_heldout
@@ -291,7 +292,7 @@ def run_spec(mode: str, layout: str, cfg: Config) -> RunCreate:
         if cfg.max_staleness is not None:
             spec["max_staleness"] = cfg.max_staleness
         if cfg.async_outer_lr is not None:
-            spec["outer"] = {"lr": cfg.async_outer_lr}
+            spec["outer"] = {"async_lr": cfg.async_outer_lr}
     return RunCreate.model_validate(spec)
 
 
@@ -587,7 +588,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         "--async-outer-lr",
         type=float,
         default=None,
-        help=f"the async/hybrid runs' outer lr (default: the run's, {OuterSpec().lr})",
+        help="outer.async_lr of the async/hybrid runs, the step size of their async levels (default: the run's, "
+        f"{DEFAULT_ASYNC_LR_FACTOR:g} x outer.lr = {DEFAULT_ASYNC_LR_FACTOR * OuterSpec().lr:g})",
     )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")
@@ -638,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{cfg.budget_s:g} s per mode; H {cfg.inner_steps} (async {cfg.min_inner_steps}..{cfg.max_inner_steps}), "
         f"batch {cfg.batch_size}; seed {cfg.seed}; parts {','.join(map(str, sorted(cfg.parts)))}; "
         f"modes {','.join(cfg.modes)}; damping {cfg.damping}; max_staleness {cfg.max_staleness}; "
-        f"path_leases {cfg.path_leases}; async outer lr {cfg.async_outer_lr}"
+        f"path_leases {cfg.path_leases}; outer.async_lr {cfg.async_outer_lr or 'run default'}"
     )
     print(f"logs and registries: {rundir}")
 

@@ -94,6 +94,13 @@ class OuterSpec(BaseModel):
 
     model_config = STRICT
     lr: float = Field(default=0.7, gt=0, le=10, description="Outer learning rate (DiLoCo: 0.7)")
+    async_lr: float | None = Field(
+        default=None,
+        gt=0,
+        le=10,
+        description="Outer learning rate of the modules on async levels; null: half of `lr` (measured better per "
+        "token than round-sync with about every other contribution one step stale; the run stores the value)",
+    )
     momentum: float = Field(default=0.9, ge=0, lt=1, description="Nesterov momentum (DiLoCo: 0.9)")
     method: Literal["nesterov", "average"] = Field(
         default="nesterov",

@@ -10,8 +10,12 @@ Periods (Delayed Nesterov, arXiv 2401.09135)
     round (`RoundAccumulator`, outlier factors of the buffered norms, Nesterov momentum updated once), so the
     momentum moves once per period rather than once per contribution, and in between the contributions are
     only averaged. With `dn_period` = the module's users and every path contributing once per period from the
-    weights of the previous step, this is exactly the round schedule. (2401.09135 also takes small momentum-free
-    steps between two momentum steps, its factor c; here c = 0: the module does not move between steps.)
+    weights of the previous step, this is exactly the round schedule. The step's learning rate is the outer
+    config's `async_lr` (`OuterConfig.for_async`): with about every other part one step stale, DiLoCo's 0.7
+    overshoots and its momentum carries the overshoot, and half of it did better per token than round-sync
+    (docs/LOG.md, 2026-12-04), so the coordinator's runs default to half of `lr`. (2401.09135 also takes small
+    momentum-free steps between two momentum steps, its factor c; here c = 0: the module does not move between
+    steps.)
 Versions and staleness
     A module's version is the number of its periods applied (an async step always makes a new version, even
     one whose contributions were all left out). A contribution that joins period p, trained from base
@@ -264,7 +268,7 @@ def simulate_async(
 
     def step_async(lv: int, m: int) -> None:
         module = modules[lv][m]
-        module.weights, module.momentum = fold(module, module.buffer, outer, settings.damping)
+        module.weights, module.momentum = fold(module, module.buffer, outer.for_async(), settings.damping)
         module.buffer = []
         module.version += 1
         module.history.append(module.weights)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -49,6 +49,9 @@ class OuterConfig:
 
     lr: float = 0.7
     """Outer learning rate (DiLoCo uses 0.7)."""
+    async_lr: float | None = None
+    """Outer learning rate of modules on async levels (`modules.asynchrony`); None: `lr`. A run created with
+    async levels stores its own (the coordinator's default is half of `lr`: docs/LOG.md, 2026-12-04)."""
     momentum: float = 0.9
     """Nesterov momentum; 0 gives plain outer SGD (lr 1, momentum 0 = plain averaging of trained weights)."""
     sqrt_rescale: bool = False
@@ -71,6 +74,8 @@ class OuterConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"outer lr must be > 0, got {self.lr}")
+        if self.async_lr is not None and not (math.isfinite(self.async_lr) and self.async_lr > 0):
+            raise ValueError(f"outer async_lr must be finite and > 0 (or None), got {self.async_lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
         if self.method not in ("nesterov", "average"):
@@ -83,6 +88,10 @@ class OuterConfig:
             raise ValueError(f"outer max_norm_ratio must be finite and > 1 (or None), got {self.max_norm_ratio}")
         if self.outliers not in ("clip", "refuse"):
             raise ValueError(f"outer outliers must be 'clip' or 'refuse', got {self.outliers!r}")
+
+    def for_async(self) -> OuterConfig:
+        """The outer step of an async level's module: this one with `async_lr` as its lr (when set)."""
+        return self if self.async_lr is None else replace(self, lr=self.async_lr, async_lr=None)
 
 
 MEDIAN_MIN_CONTRIBUTIONS = 3

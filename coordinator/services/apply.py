@@ -214,6 +214,8 @@ def apply_step(
     module = session.get_one(Module, claimed.module_id)
     run = session.get_one(Run, claimed.run_id)
     outer, damping = OuterConfig(**run.config["outer"]), run_schedule(run).damping
+    if module.period_size is not None:  # an async level's module
+        outer = outer.for_async()
     base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
     parts = _parts(session, claimed)
     session.rollback()  # the math runs outside any transaction

@@ -28,7 +28,7 @@ from modules import (
     parse_layout,
 )
 from modules.asynchrony import AsyncSettings, period_size
-from modules.layout import Layout
+from modules.layout import Layout, Mode
 from modules.outer import Tensors
 from modules.sparse_rows import check_sparse_rows
 
@@ -82,6 +82,21 @@ def schedule_of(modes: list[str]) -> str:
     if all(mode == "async" for mode in modes):
         return "async"
     return "hybrid" if "async" in modes else "round"
+
+
+DEFAULT_ASYNC_LR_FACTOR = 0.5
+"""`outer.async_lr` of a run with async levels that does not set it, as a fraction of `outer.lr`: measured, half of
+DiLoCo's 0.7 reaches round-sync's final perplexity sooner and matches it at equal tokens, where 0.7 does not
+(docs/LOG.md, 2026-12-04)."""
+
+
+def _outer(spec: RunCreate, modes: list[Mode]) -> dict[str, Any]:
+    """The run's outer config as stored: `async_lr` resolved when a level is async (so a later change of the
+    default never changes a run in flight), null otherwise."""
+    outer = spec.outer.model_dump()
+    if "async" in modes and outer["async_lr"] is None:
+        outer["async_lr"] = outer["lr"] * DEFAULT_ASYNC_LR_FACTOR
+    return outer
 
 
 DEFAULT_PATH_LEASES = 2
@@ -149,7 +164,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
     config: dict[str, Any] = {
         "model": cfg.to_dict(),
         "inner": dataclasses.asdict(inner),
-        "outer": spec.outer.model_dump(),
+        "outer": _outer(spec, modes),
         "codec": spec.codec,
         "sparse_rows": spec.sparse_rows,
         "heldout_tokens": spec.heldout_tokens,

@@ -158,6 +158,8 @@ def test_a_hybrid_run_steps_async_levels_on_arrival_and_the_rest_per_round(
         ({"dn_period": 0}, "dn_period"),
         ({"path_leases": 2}, "path sharing) needs every level async"),
         ({"sync": "async", "path_leases": 0}, "path_leases"),
+        ({"sync": "async", "outer": {"async_lr": 0}}, "async_lr"),
+        ({"sync": "async", "outer": {"async_lr": "fast"}}, "async_lr"),
     ],
 )
 def test_bad_async_settings_are_refused_with_422(client: TestClient, spec: dict[str, Any], message: str) -> None:
@@ -165,6 +167,26 @@ def test_bad_async_settings_are_refused_with_422(client: TestClient, spec: dict[
     assert r.status_code == 422, r.text
     assert message in r.text
     assert client.get("/v1/runs", headers=A).json()["data"] == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "stored"),
+    [
+        ({}, None),  # round levels only: no async step size
+        ({"sync": "async"}, 0.35),  # half of outer.lr
+        ({"sync": "async", "outer": {"lr": 0.4}}, 0.2),
+        ({"sync": "async", "outer": {"async_lr": 0.5}}, 0.5),
+        ({"layout": "embed:shared:async, b0-0:routed2, b1-1:routed2, head:shared:async"}, 0.35),  # hybrid
+    ],
+)
+def test_a_run_with_async_levels_stores_its_async_step_size(
+    client: TestClient, spec: dict[str, Any], stored: float | None
+) -> None:
+    r = client.post("/v1/runs", json={**TINY_RUN, "name": "lr", "inner_steps": 2, **spec}, headers=A)
+    assert r.status_code == 201, r.text
+    outer = client.get(f"/v1/runs/{r.json()['id']}", headers=A).json()["config"]["outer"]
+    assert outer["async_lr"] == pytest.approx(stored) if stored is not None else outer["async_lr"] is None
+    assert outer["lr"] == spec.get("outer", {}).get("lr", 0.7)
 
 
 def test_dynamic_local_updates_scale_each_lease_with_its_island_speed(

@@ -57,7 +57,8 @@ def verify_run(database_url: str, blob_dir: Path, run_id: int) -> None:
                 assert [h.round for h in history] == [None, *range(steps)]
                 assert history[-1].weights_hash == module.weights_hash and module.version == steps
                 for rnd in range(steps):
-                    want, want_m = _recompute(session, blobs, outer, damping, module.id, rnd, history[rnd])
+                    step_outer = outer.for_async() if module.period_size is not None else outer
+                    want, want_m = _recompute(session, blobs, step_outer, damping, module.id, rnd, history[rnd])
                     got = _weights(blobs, history[rnd + 1].weights_hash)
                     got_m = _momentum(blobs, history[rnd + 1])
                     assert (got_m is None) == (want_m is None)

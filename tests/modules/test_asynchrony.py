@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -118,3 +120,28 @@ def test_a_stale_part_moves_its_module_by_its_damped_share() -> None:
     assert torch.allclose(momentum["w"], want_m["w"], atol=1e-7)
     undamped, _ = fold(module, parts, OUTER, "none")
     assert not torch.allclose(undamped["w"], new["w"])
+
+
+@pytest.mark.parametrize(("sync", "lr"), [("async", 0.3), ("round", 0.7)])
+def test_async_levels_step_with_async_lr_and_round_levels_with_lr(sync: str, lr: float) -> None:
+    """In round order (see above), an all-async run with `async_lr` 0.3 is the round simulator at lr 0.3; an
+    all-round run ignores `async_lr`."""
+    layout = parse_layout(LAYOUT, n_layers=2)
+    tokens = [shard(p) for p in range(4)]
+    ref = simulate(CFG, layout, INNER, OuterConfig(lr=lr), steps_per_round=H, rounds=2, seed=0, tokens=tokens)
+    got = simulate_async(
+        CFG, layout, INNER, OuterConfig(lr=0.7, async_lr=0.3), AsyncSettings(sync=sync),  # type: ignore[arg-type]
+        events=rounds_of(4, 2), budget_steps=2 * H, seed=0, tokens=tokens,
+    )  # fmt: skip
+    for lv in range(4):
+        for m, weights in enumerate(ref.modules[lv]):
+            assert same(got.modules[lv][m], weights)
+
+
+def test_async_lr_is_checked_and_replaces_lr_on_async_steps() -> None:
+    outer = OuterConfig(lr=0.7, async_lr=0.2, momentum=0.8)
+    assert outer.for_async() == OuterConfig(lr=0.2, momentum=0.8)
+    assert OuterConfig(lr=0.7).for_async() == OuterConfig(lr=0.7)  # runs created before async_lr
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="outer async_lr must be finite and > 0"):
+            OuterConfig(async_lr=bad)
