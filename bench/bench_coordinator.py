@@ -1,6 +1,7 @@
 """Coordinator benchmarks. Each prints ratios against a baseline measured in the same run.
 
-  python bench/bench_coordinator.py upload    [--mb 100]       upload+accept vs a raw loopback socket transfer
+  python bench/bench_coordinator.py upload    [--mb 100]       upload+accept vs a raw loopback socket transfer,
+                                                              page cache + read-back vs O_DIRECT + streamed checks
   python bench/bench_coordinator.py aggregate [--mb 100]       peak RSS of a round apply for K = 4, 16, 64
   python bench/bench_coordinator.py apply     [--k 16]         a 256-path x 4-module round: 1 vs 2 apply-workers
   python bench/bench_coordinator.py islands   [--islands 256]  simulated islands on PostgreSQL: p50/p99 latency
@@ -276,48 +277,62 @@ class _TimedBody(httpx.SyncByteStream):
         self.timer.sent = time.perf_counter()
 
 
-def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
-    """Upload + accept vs the raw transfer, measured back to back per repeat, for both ways in.
+UPLOAD_VARIANTS: dict[str, dict[str, str]] = {
+    "page-cache": {"DIPACO_SPOOL_DIRECT": "false", "DIPACO_UPLOAD_STREAM_CHECK_BYTES": str(1 << 62)},
+    "direct": {},
+}
+"""How the coordinator takes a body in. `page-cache`: written through the page cache and its values checked by
+reading the spooled file back (before 2026-12-04); `direct`: the defaults, written with O_DIRECT and its values
+checked while it streams in."""
 
-    `named`: the island's `CoordinatorClient.upload` (1 MiB slices, an explicit Content-Length and the body's
-    sha256 in `X-Dipaco-Content-Sha256`: the coordinator checks values now and the hash in its apply executor).
-    `hashed`: the same request without that header, so the coordinator hashes the body while receiving it (what
-    every upload did before). The island's own sha256 of the payload is not timed (it is the island's CPU).
-    `send_s` is until the client handed over the last byte, `tail_s` from then to the response: the server's
-    rest of the spool, validation, fsync + rename and the database commit.
+
+def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
+    """Upload + accept vs the raw transfer, measured back to back per repeat, for each way the coordinator takes
+    a body in (`UPLOAD_VARIANTS`, one coordinator each, alternating per repeat).
+
+    Each upload is the island's `CoordinatorClient.upload` request (1 MiB slices, an explicit Content-Length and
+    the body's sha256 in `X-Dipaco-Content-Sha256`: the coordinator checks values now and the hash in its apply
+    executor). The island's own sha256 of the payload is not timed (it is the island's CPU). `send_s` is until
+    the client handed over the last byte, `tail_s` from then to the response: the server's rest of the spool,
+    validation, fsync + rename and the database commit.
     """
     tmp = Path(tempfile.mkdtemp(prefix="dipaco-bench-"))
-    # no executor: nothing is applied (the round never closes), and its verification would share the cores
-    proc, url = start_coordinator(tmp / "coordinator", f"sqlite:///{tmp / 'r.db'}", extra_args=("--apply-workers", "0"))
     reader, raw_port = start_raw_reader()
     timer = SendTimer()
-    http = httpx.Client(base_url=url, transport=timer, timeout=600)
+    procs: list[subprocess.Popen[bytes]] = []
+    https: list[httpx.Client] = []
     try:
-        admin = CoordinatorClient(url, ADMIN, http=http)
-        # more paths than uploads, so the round never closes and every upload is a fresh path
-        layout = f"embed:shared, b0-1:routed{max(4, 2 * repeats + 1)}, head:shared"
-        spec = {
-            "name": "upload",
-            "model": big_model(mb),
-            "layout": layout,
-            "inner_steps": 1,
-            "inner": {"batch_size": 1},
-            "num_rounds": 1000,
-            "codec": "fp32",  # the payload is the size asked for
-        }
-        create_run(admin, spec)
-        island = CoordinatorClient(url, JOIN, http=http)
-        island.join("bench")
+        islands: dict[str, CoordinatorClient] = {}
+        for variant, env in UPLOAD_VARIANTS.items():
+            # no executor: nothing is applied (the round never closes), and its verification would share the cores
+            proc, url = start_coordinator(
+                tmp / variant, f"sqlite:///{tmp / variant}.db", extra_env=env, extra_args=("--apply-workers", "0")
+            )
+            procs.append(proc)
+            http = httpx.Client(base_url=url, transport=timer, timeout=600)
+            https.append(http)
+            admin = CoordinatorClient(url, ADMIN, http=http)
+            # more paths than uploads, so the round never closes and every upload is a fresh path
+            spec = {
+                "name": "upload",
+                "model": big_model(mb),
+                "layout": f"embed:shared, b0-1:routed{max(4, repeats + 1)}, head:shared",
+                "inner_steps": 1,
+                "inner": {"batch_size": 1},
+                "num_rounds": 1000,
+                "codec": "fp32",  # the payload is the size asked for
+            }
+            create_run(admin, spec)
+            islands[variant] = CoordinatorClient(url, JOIN, http=http)
+            islands[variant].join("bench")
         rows = []
         for _ in range(repeats):
-            for mode in ("named", "hashed"):
+            for variant, island in islands.items():
                 lease = island.lease()
                 assert lease is not None, island.idle
                 payload = lease_grads(lease)
-                digest = sha256_hex(payload)  # the island's work, before the clock starts
                 headers = {H_ROUND: str(lease.round), H_TOKENS: "1", H_TRAIN_LOSS: "1.0"}
-                if mode == "named":
-                    headers[H_CONTENT_HASH] = digest
+                headers[H_CONTENT_HASH] = sha256_hex(payload)  # the island's work, before the clock starts
                 raw = raw_socket_mb_s(payload, raw_port)
                 start = time.perf_counter()
                 r = island.send(f"/v1/leases/{lease.lease_id}/outer-gradients", payload, what="upload", headers=headers)
@@ -327,7 +342,7 @@ def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
                 island.release(lease.lease_id)
                 rows.append(
                     {
-                        "mode": mode,
+                        "variant": variant,
                         "payload_mb": round(len(payload) / 1e6, 1),
                         "upload_mb_s": round(up),
                         "raw_mb_s": round(raw),
@@ -336,15 +351,18 @@ def bench_upload(mb: float, repeats: int) -> dict[str, Any]:
                         "tail_s": round(end - sent, 3),
                     }
                 )
-        ratios = {m: statistics.median(r["ratio"] for r in rows if r["mode"] == m) for m in ("named", "hashed")}
-        return {"bench": "upload", "rows": rows, "median_ratio": ratios, "target": 0.3, "ok": ratios["named"] >= 0.3}
+        ratios = {v: statistics.median(r["ratio"] for r in rows if r["variant"] == v) for v in UPLOAD_VARIANTS}
+        return {"bench": "upload", "rows": rows, "median_ratio": ratios, "target": 0.3, "ok": ratios["direct"] >= 0.3}
     finally:
-        http.close()
+        for http in https:
+            http.close()
         reader.kill()
         reader.wait()
-        proc.terminate()
-        proc.wait()
-        shutil.rmtree(tmp / "coordinator", ignore_errors=True)  # the blobs (~6 x payload); the log stays
+        for proc in procs:
+            proc.terminate()
+            proc.wait()
+        for variant in UPLOAD_VARIANTS:
+            shutil.rmtree(tmp / variant, ignore_errors=True)  # the blobs (~3 x payload); the logs stay
 
 
 # ------------------------------------------------------------------------------------------------- s3

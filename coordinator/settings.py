@@ -75,6 +75,17 @@ class Settings(BaseSettings):
     )
     fault_pause_at: str | None = Field(default=None, description="Crash tests only: see coordinator/faults.py")
     max_upload_bytes: int = Field(default=1 << 30, gt=0, description="Cap on one outer-gradient upload")
+    upload_stream_check_bytes: int = Field(
+        default=4 << 20,
+        ge=0,
+        description="Outer-gradient uploads announcing at least this many bytes have their values checked while "
+        "they stream in, instead of read back from the spooled file (0: every upload)",
+    )
+    spool_direct: bool = Field(
+        default=True,
+        description="Write upload bodies of over a MiB to the spool directory past the page cache (O_DIRECT) where "
+        "its filesystem allows it (measured faster here, docs/LOG.md); false: through the page cache",
+    )
     max_path_params: int = Field(
         default=500_000_000,
         gt=0,

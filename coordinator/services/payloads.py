@@ -15,6 +15,7 @@ memory-mapped file, one tensor at a time, never copied whole.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from coordinator.schemas import GRAD_KEY_SEP
 from modules import CodecError, Layout, ModelConfig, level_param_shapes
 from modules.codec import ROWS_DTYPE, SCALES_NAME, int8_scale_spans, payload_codec, read_header, read_metadata
 from modules.sparse_rows import SPARSE_PARAM, is_rows, rows_name
+
+log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 1 << 16
 """Least cap on an upload's safetensors header; the cap is 512 bytes per expected tensor when that is more (a
@@ -77,7 +80,7 @@ def header_cap(cfg: ModelConfig, layout: Layout, levels: dict[int, tuple[int, st
 
 def validated_header(
     head: bytes,
-    size: int,
+    size: int | None,
     cfg: ModelConfig,
     layout: Layout,
     levels: dict[int, tuple[int, str]],
@@ -85,9 +88,9 @@ def validated_header(
     codec: str,
     sparse_rows: bool = False,
 ) -> Header:
-    """Check a payload's first bytes (the 8-byte length and the header, `head`) and its total `size` against the
-    path's modules, the run's `codec` and `sparse_rows`: names, dtypes, shapes, offsets, every field's type (422
-    otherwise)."""
+    """Check a payload's first bytes (the 8-byte length and the header, `head`) and its total `size` (None: not
+    known yet) against the path's modules, the run's `codec` and `sparse_rows`: names, dtypes, shapes, offsets,
+    every field's type (422 otherwise)."""
     prefixes = {level: f"{name}{GRAD_KEY_SEP}" for level, (_, name) in levels.items()}
     shapes = {
         f"{prefixes[level]}{param}": (level, shape)
@@ -122,12 +125,8 @@ def validated_header(
         raise Invalid(f"outer-gradient payload is missing {len(missing)} tensor(s), e.g. {missing[0]!r}")
     offsets = {name: _tensor_offsets(name, info, expected[name]) for name, info in header.items()}
     data_start = len(head)
-    data_end = max((end for _, end in offsets.values()), default=0)
-    if data_start + data_end != size:
-        raise Invalid(
-            f"outer-gradient payload: invalid safetensors payload: {size} bytes, "
-            f"the header describes {data_start + data_end}"
-        )
+    if size is not None:
+        _check_size(data_start, offsets, size)
     return Header(
         prefixes=prefixes,
         expected=expected,
@@ -136,6 +135,15 @@ def validated_header(
         codec=codec,
         block_size=block_size,
     )
+
+
+def _check_size(data_start: int, offsets: dict[str, tuple[int, int]], size: int) -> None:
+    data_end = max((end for _, end in offsets.values()), default=0)
+    if data_start + data_end != size:
+        raise Invalid(
+            f"outer-gradient payload: invalid safetensors payload: {size} bytes, "
+            f"the header describes {data_start + data_end}"
+        )
 
 
 def header_length(first8: bytes, *, cap: int) -> int:
@@ -176,6 +184,198 @@ def validated_payload(
     return Payload(prefixes=checked.prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=codec)
 
 
+@dataclass(slots=True)
+class _Span:
+    """One tensor of a streamed payload: where its bytes are in the body, and what was gathered from them."""
+
+    name: str
+    entry: _Entry
+    start: int
+    end: int
+    carry: bytes = b""
+    """The first bytes of a value that the previous buffer cut."""
+    squares: float = 0.0
+    nonfinite: int = 0
+    seen: int = 0
+    """Values consumed (int8: where the next one falls in its blocks)."""
+    blocks: np.ndarray | None = None
+    """int8: each block's sum of squared values (int64, exact)."""
+    kept: bytearray | None = None
+    """Block scales and row ids: kept whole (small), checked at the end."""
+
+
+class PayloadStream:
+    """`validated_payload` on the bytes of an upload as they arrive, so that the spooled file is never read back.
+
+    `update` takes the body's buffers in order (from the spool thread); `finish` gives the `Payload`, or raises
+    the first problem found with the same message `validated_payload` gives it. The header is checked once its
+    bytes are in (also that the tensors tile the data section, the safetensors layout rule); then each buffer
+    is cut at tensor boundaries and its values squared and checked in place: fp32 and bf16 values one piece at
+    a time (a value cut by a buffer boundary is carried over), int8 values into per-block sums of squares that
+    meet their block scales at the end. Memory: the header, the scales and row ids, one int64 per int8 block.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: Layout,
+        levels: dict[int, tuple[int, str]],
+        *,
+        codec: str,
+        sparse_rows: bool = False,
+    ) -> None:
+        self.cfg, self.layout, self.levels = cfg, layout, dict(levels)
+        self.codec, self.sparse_rows = codec, sparse_rows
+        self._cap = header_cap(cfg, layout, levels)
+        self._head = bytearray()
+        self._head_size: int | None = None
+        self._header: Header | None = None
+        self._spans: list[_Span] = []
+        self._at = 0
+        self._pos = 0
+        self._error: Invalid | None = None
+        self.usable = True
+        """False after an unexpected error while checking (logged): the caller reads the file back instead."""
+
+    def checks(self, levels: dict[int, tuple[int, str]], codec: str, sparse_rows: bool) -> bool:
+        """Whether this stream checked for these modules, codec and sparse_rows (what the upload checks found)."""
+        return (self.levels, self.codec, self.sparse_rows) == (levels, codec, sparse_rows)
+
+    def update(self, buf: bytes | memoryview) -> None:
+        """Check the next bytes of the body (never raises: the first problem is kept for `finish`)."""
+        if self._error is not None or not self.usable:
+            return
+        try:
+            view = memoryview(buf).cast("B")
+            if self._header is None:
+                view = self._take_head(view)
+            if self._header is not None:
+                self._take_data(view)
+        except Invalid as exc:
+            self._error = exc
+        except Exception:  # a bug here must not fail the upload: its file is checked instead
+            log.exception("checking an upload while it streams in failed; its spooled file will be checked")
+            self.usable = False
+
+    def finish(self, size: int) -> Payload:
+        """The checked payload of a body of `size` bytes (422 with the first problem otherwise)."""
+        if self._error is not None:
+            raise self._error
+        if self._header is None:  # the body ended inside its header: the same error as from the file
+            self._header = validated_header(
+                bytes(self._head), size, self.cfg, self.layout, self.levels, codec=self.codec,
+                sparse_rows=self.sparse_rows,
+            )  # fmt: skip
+        header = self._header
+        _check_size(header.data_start, header.offsets, size)
+        kept = {span.name: span for span in self._spans if span.kept is not None}
+        for name, span in kept.items():
+            if is_rows(name):
+                _check_ids(name, np.frombuffer(span.kept or b"", dtype="<i8"), vocab=self.cfg.vocab_size)
+        scales = np.frombuffer(kept[SCALES_NAME].kept or b"", dtype="<f4") if self.codec == "int8" else None
+        if scales is not None:
+            _check_scales(scales)
+        spans = {span.name: span for span in self._spans}
+        shapes = {n: e.shape for n, e in header.expected.items() if e.level is not None}
+        scale_spans = int8_scale_spans(shapes, header.block_size) if scales is not None else {}
+        norms = dict.fromkeys(header.prefixes, 0.0)
+        for name, entry in header.expected.items():
+            if entry.level is None:
+                continue
+            span = spans[name]
+            _check_finite(name, span.nonfinite)
+            if span.blocks is not None and scales is not None:
+                start, count = scale_spans[name]
+                norms[entry.level] += _int8_total(span.blocks, scales[start : start + count])
+            else:
+                norms[entry.level] += span.squares
+        return Payload(prefixes=header.prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=self.codec)
+
+    def _take_head(self, view: memoryview) -> memoryview:
+        if self._head_size is None:
+            take = 8 - len(self._head)
+            self._head += view[:take]
+            view = view[take:]
+            if len(self._head) < 8:
+                return view
+            self._head_size = 8 + header_length(bytes(self._head), cap=self._cap)
+        take = self._head_size - len(self._head)
+        self._head += view[:take]
+        view = view[take:]
+        if len(self._head) == self._head_size:
+            self._start_data()
+        return view
+
+    def _start_data(self) -> None:
+        header = validated_header(
+            bytes(self._head), None, self.cfg, self.layout, self.levels, codec=self.codec,
+            sparse_rows=self.sparse_rows,
+        )  # fmt: skip
+        self._pos = header.data_start
+        at = 0
+        for name, (start, end) in sorted(header.offsets.items(), key=lambda item: item[1]):
+            if start != at:
+                raise Invalid(
+                    f"outer-gradient payload: invalid safetensors payload: tensor {name!r} starts at byte {start} of "
+                    f"the data, the tensors before it end at {at} (they must follow each other, no gap, no overlap)"
+                )
+            at = end
+            entry = header.expected[name]
+            span = _Span(name=name, entry=entry, start=header.data_start + start, end=header.data_start + end)
+            if entry.level is None:
+                span.kept = bytearray()
+            elif entry.dtype == "I8":
+                blocks = -(-math.prod(entry.shape) // header.block_size)
+                span.blocks = np.zeros(blocks, dtype=np.int64)
+            self._spans.append(span)
+        self._header = header
+
+    def _take_data(self, view: memoryview) -> None:
+        while view and self._at < len(self._spans):
+            span = self._spans[self._at]
+            n = min(len(view), span.end - self._pos)
+            if n:
+                self._piece(span, view[:n])
+                self._pos += n
+                view = view[n:]
+            if self._pos == span.end:
+                self._at += 1
+        self._pos += len(view)  # past the header's data: `finish` refuses the size
+
+    def _piece(self, span: _Span, piece: memoryview) -> None:
+        if span.kept is not None:
+            span.kept += piece
+            return
+        if span.blocks is not None:  # int8
+            assert self._header is not None
+            q = np.frombuffer(piece, dtype="i1")
+            _add_block_squares(span.blocks, q, first=span.seen, block_size=self._header.block_size)
+            span.seen += q.size
+            return
+        width = _ITEMSIZE[span.entry.dtype]
+        data: bytes | memoryview = piece
+        if span.carry:
+            data = span.carry + bytes(piece[: width - len(span.carry)])
+            piece = piece[width - len(span.carry) :]
+            if len(data) < width:
+                span.carry = bytes(data)
+                return
+            self._values(span, data)
+            data = piece
+        whole = len(data) // width * width
+        span.carry = bytes(data[whole:])
+        if whole:
+            self._values(span, data[:whole])
+
+    def _values(self, span: _Span, data: bytes | memoryview) -> None:
+        widen = span.entry.dtype == "BF16"
+        values = np.frombuffer(data, dtype="<u2" if widen else "<f4")
+        with np.errstate(over="ignore", invalid="ignore"):
+            squares, bad = _float_squares(values, widen=widen)
+        span.squares += squares
+        span.nonfinite += bad
+
+
 def _sparse_name(layout: Layout, prefixes: dict[int, str]) -> str | None:
     """The payload name of the tensor sent as rows: the embed level's token embedding (None: not on this path)."""
     for level, prefix in prefixes.items():
@@ -205,18 +405,21 @@ def _check_row_ids(body: FilePath, data_start: int, offsets: dict[str, tuple[int
     data = np.memmap(body, dtype=np.uint8, mode="r")
     for name in names:
         start, end = offsets[name]
-        ids = data[data_start + start : data_start + end].view("<i8")
-        outside = np.flatnonzero((ids < 0) | (ids >= vocab))
-        if outside.size:
-            i = int(outside[0])
-            raise Invalid(f"tensor {name!r}: row id {int(ids[i])} at {i} is outside the vocabulary [0, {vocab})")
-        unsorted = np.flatnonzero(np.diff(ids) <= 0)
-        if unsorted.size:
-            i = int(unsorted[0]) + 1
-            raise Invalid(
-                f"tensor {name!r}: row ids must be strictly increasing (sorted, no duplicate); "
-                f"{int(ids[i])} at {i} follows {int(ids[i - 1])}"
-            )
+        _check_ids(name, data[data_start + start : data_start + end].view("<i8"), vocab=vocab)
+
+
+def _check_ids(name: str, ids: np.ndarray, *, vocab: int) -> None:
+    outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if outside.size:
+        i = int(outside[0])
+        raise Invalid(f"tensor {name!r}: row id {int(ids[i])} at {i} is outside the vocabulary [0, {vocab})")
+    unsorted = np.flatnonzero(np.diff(ids) <= 0)
+    if unsorted.size:
+        i = int(unsorted[0]) + 1
+        raise Invalid(
+            f"tensor {name!r}: row ids must be strictly increasing (sorted, no duplicate); "
+            f"{int(ids[i])} at {i} follows {int(ids[i - 1])}"
+        )
 
 
 def _read_head(body: FilePath, *, cap: int) -> bytes:
@@ -277,13 +480,9 @@ def _sums_of_squares(
     codec: str,
     block_size: int,
 ) -> dict[str, float]:
-    """Each gradient tensor's sum of squared (decoded) values; refuses (422) NaN/Inf values and bad int8 scales.
-
-    fp32 tensors are read as float32 views of the memory-mapped file and squared with one BLAS dot product; a
-    non-finite dot means a NaN/Inf value, or finite values so large that float32 overflowed (e.g. 3.4e38): those
-    are counted exactly, and only in the second case is the sum redone in float64, a chunk at a time. bf16
-    values are widened to float32 a chunk at a time; int8 values are summed per block, times the block's scale.
-    """
+    """Each gradient tensor's sum of squared (decoded) values, read from the memory-mapped file; refuses (422)
+    NaN/Inf values and bad int8 scales. fp32 and bf16: `_float_squares`; int8 values are summed per block
+    (`_add_block_squares`), times the block's scale squared."""
     data = np.memmap(body, dtype=np.uint8, mode="r")  # unmapped when the last view goes, on return
 
     def raw(name: str) -> np.ndarray:
@@ -295,25 +494,39 @@ def _sums_of_squares(
     spans: dict[str, tuple[int, int]] = {}
     if codec == "int8":
         scales = raw(SCALES_NAME).view("<f4")
-        bad = np.flatnonzero(~np.isfinite(scales) | (scales < 0))
-        if bad.size:
-            raise Invalid(
-                f"int8 payload: block scale {int(bad[0])} is {float(scales[bad[0]])!r}; scales must be finite and >= 0"
-            )
+        _check_scales(scales)
         spans = int8_scale_spans({n: e.shape for n, e in expected.items() if e.level is not None}, block_size)
     with np.errstate(over="ignore", invalid="ignore"):  # overflowing products are expected here, not warnings
         for name, entry in expected.items():
             if entry.level is None:
                 continue
-            if codec == "fp32":
-                sums[name] = _f32_squares(name, raw(name).view("<f4"))
-            elif codec == "bf16":
-                sums[name] = _f32_squares(name, raw(name).view("<u2"), widen=True)
-            else:
-                assert scales is not None  # int8
+            if codec == "int8":
+                assert scales is not None
                 start, count = spans[name]
-                sums[name] = _int8_squares(raw(name).view("i1"), scales[start : start + count], block_size)
+                blocks = np.zeros(count, dtype=np.int64)
+                q = raw(name).view("i1")
+                step = max(1, CHUNK // block_size) * block_size
+                for i in range(0, q.size, step):
+                    _add_block_squares(blocks, q[i : i + step], first=i, block_size=block_size)
+                sums[name] = _int8_total(blocks, scales[start : start + count])
+            else:
+                total, bad = _float_squares(raw(name).view("<f4" if codec == "fp32" else "<u2"), widen=codec == "bf16")
+                _check_finite(name, bad)
+                sums[name] = total
     return sums
+
+
+def _check_scales(scales: np.ndarray) -> None:
+    bad = np.flatnonzero(~np.isfinite(scales) | (scales < 0))
+    if bad.size:
+        raise Invalid(
+            f"int8 payload: block scale {int(bad[0])} is {float(scales[bad[0]])!r}; scales must be finite and >= 0"
+        )
+
+
+def _check_finite(name: str, bad: int) -> None:
+    if bad:
+        raise Invalid(f"tensor {name!r} has {bad} non-finite value(s) (NaN/Inf)")
 
 
 def _chunks(values: np.ndarray, *, widen: bool) -> Iterator[np.ndarray]:
@@ -323,32 +536,45 @@ def _chunks(values: np.ndarray, *, widen: bool) -> Iterator[np.ndarray]:
         yield (chunk.astype(np.uint32) << 16).view(np.float32) if widen else chunk
 
 
-def _f32_squares(name: str, values: np.ndarray, *, widen: bool = False) -> float:
+def _float_squares(values: np.ndarray, *, widen: bool = False) -> tuple[float, int]:
+    """(sum of squares, number of NaN/Inf values) of float32 values, or of bf16 ones (`widen`, as uint16 bits).
+
+    fp32: one BLAS dot product; a non-finite dot means a NaN/Inf value, or finite values so large that float32
+    overflowed (e.g. 3.4e38): those are counted exactly, and only in the second case is the sum redone in
+    float64, a chunk at a time. bf16 values are widened to float32 a chunk at a time."""
     if not widen:
         total = float(np.dot(values, values))
         if math.isfinite(total):
-            return total
-    total = 0.0
+            return total, 0
+    total, bad = 0.0, 0
     for chunk in _chunks(values, widen=widen):
         finite = np.isfinite(chunk)
         if not finite.all():
-            bad = sum(int(np.count_nonzero(~np.isfinite(c))) for c in _chunks(values, widen=widen))
-            raise Invalid(f"tensor {name!r} has {bad} non-finite value(s) (NaN/Inf)")
-        wide = chunk.astype(np.float64)
-        total += float(np.dot(wide, wide))
-    return total
+            bad += int(np.count_nonzero(~finite))
+        elif not bad:
+            wide = chunk.astype(np.float64)
+            total += float(np.dot(wide, wide))
+    return total, bad
 
 
-def _int8_squares(q: np.ndarray, scales: np.ndarray, block_size: int) -> float:
-    """sum_b scale_b^2 * sum_{i in b} q_i^2, a few thousand blocks at a time."""
-    total = 0.0
-    step = max(1, CHUNK // block_size) * block_size
-    for i in range(0, q.size, step):
-        chunk = q[i : i + step].astype(np.int64)
-        blocks = -(-chunk.size // block_size)
-        padded = np.zeros(blocks * block_size, dtype=np.int64)
-        padded[: chunk.size] = chunk
-        per_block = (padded.reshape(blocks, block_size) ** 2).sum(axis=1)
-        s = scales[i // block_size : i // block_size + blocks].astype(np.float64)
-        total += float(np.dot(per_block.astype(np.float64), s * s))
-    return total
+def _add_block_squares(blocks: np.ndarray, q: np.ndarray, *, first: int, block_size: int) -> None:
+    """Add the squares of int8 values `q` (elements `first`, `first + 1`, ... of their tensor) into their blocks'
+    sums (`blocks`, int64: exact)."""
+    sq = q.astype(np.int64) ** 2
+    i, b = 0, first // block_size
+    if first % block_size:
+        i = min(block_size - first % block_size, sq.size)
+        blocks[b] += sq[:i].sum()
+        b += 1
+    full = (sq.size - i) // block_size
+    if full:
+        blocks[b : b + full] += sq[i : i + full * block_size].reshape(full, block_size).sum(axis=1)
+        i, b = i + full * block_size, b + full
+    if i < sq.size:
+        blocks[b] += sq[i:].sum()
+
+
+def _int8_total(blocks: np.ndarray, scales: np.ndarray) -> float:
+    """sum_b scale_b^2 * sum_{i in b} q_i^2."""
+    s = scales.astype(np.float64)
+    return float(np.dot(blocks.astype(np.float64), s * s))

@@ -11,7 +11,7 @@ executor hashes it before any math (services/staging.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path as FilePath
@@ -39,7 +39,14 @@ from coordinator.models import (
 from coordinator.schemas import ContributionPublic, UploadCommit, UploadTicket, UploadTicketRequest
 from coordinator.services.closing import RoundCloser
 from coordinator.services.events import record_refused_upload
-from coordinator.services.payloads import Payload, header_cap, header_length, validated_header, validated_payload
+from coordinator.services.payloads import (
+    Payload,
+    PayloadStream,
+    header_cap,
+    header_length,
+    validated_header,
+    validated_payload,
+)
 from coordinator.services.periods import budget_spent, finish_if_done, flush_periods, make_due
 from coordinator.services.runs import run_layout, run_model_config, run_schedule
 from coordinator.services.sharing import advance_cursor, reissued
@@ -71,6 +78,8 @@ class Upload:
     hashes it before any math (`staging.verify_staged`)."""
     heldout_loss: float | None = None
     """`X-Dipaco-Heldout-Loss`, when sent: the lease's start weights scored on the path's held-out slice."""
+    stream: PayloadStream | None = None
+    """The body's values, checked while it was spooled (`UploadDesk.payload_stream`); None: the file is read back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +165,27 @@ class UploadDesk:
             url=self._blobs.presign_put(key, expires_s=self._presign_expiry_s), key=key, expires_at=expires
         )
 
+    def payload_stream(self, lease_id: int, island_id: int) -> PayloadStream | None:
+        """A checker of an upload's values while its body streams in, set up from the lease's path and run; None
+        when the lease is not one this island holds (the upload's own checks answer then). Runs on a worker
+        thread, before the body is read."""
+        with self._sessions() as session:
+            try:
+                found = _lease_state(session, lease_id)
+            except NotFound:
+                return None
+            if found.lease.island_id != island_id:
+                return None
+            run = found.run
+            levels = _levels_of(_path_module_rows(session, found.lease))
+            return PayloadStream(
+                run_model_config(run),
+                run_layout(run),
+                levels,
+                codec=run.config.get("codec", "fp32"),
+                sparse_rows=run.config.get("sparse_rows", False),
+            )
+
     def commit(self, lease_id: int, island_id: int, commit: UploadCommit) -> ContributionPublic:
         """Record an outer gradient the island PUT to the bucket (`ticket`); the same checks and answers as an
         upload through the coordinator, the values verified later by the apply executor."""
@@ -234,14 +264,18 @@ def submit_outer_gradients(
         return checked
     session.rollback()  # no transaction (and, on SQLite, no write lock) while the payload is validated
     if upload.body is not None:
-        payload = validated_payload(
-            upload.body,
-            checked.cfg,
-            checked.layout,
-            checked.levels,
-            codec=checked.codec,
-            sparse_rows=checked.sparse_rows,
-        )
+        stream = upload.stream
+        if stream is not None and stream.usable and stream.checks(checked.levels, checked.codec, checked.sparse_rows):
+            payload = stream.finish(upload.size)
+        else:
+            payload = validated_payload(
+                upload.body,
+                checked.cfg,
+                checked.layout,
+                checked.levels,
+                codec=checked.codec,
+                sparse_rows=checked.sparse_rows,
+            )
         _check_norms(payload, checked)
     else:
         payload = _staged_payload(blobs, upload, checked)
@@ -488,20 +522,35 @@ def _path_levels(
     """level index -> (module id, level name) of the lease's path, and its async modules; checks the lease's base
     versions: current on round levels, at most `max_staleness` steps old on async ones (checked again under the
     lock)."""
-    rows = session.execute(
-        select(Module.id, Module.level_index, Module.version, Module.period, Module.period_size, Level.name)
-        .join(PathModule, PathModule.module_id == Module.id)
-        .join(Level, Level.id == Module.level_id)
-        .where(PathModule.path_id == lease.path_id)
-    ).all()
+    rows = _path_module_rows(session, lease)
     for module_id, _, version, period, size, name in rows:
         base = int(lease.base_versions[str(module_id)])
         if size is not None:
             _check_staleness(lease, module_id, name, base, period, max_staleness)
         elif base != version:
             raise Conflict(f"lease {lease.id} trained module {module_id} version {base}, the module is at {version}")
-    levels = {level_index: (module_id, name) for module_id, level_index, _, _, _, name in rows}
-    return levels, frozenset(module_id for module_id, _, _, _, size, _ in rows if size is not None)
+    return _levels_of(rows), frozenset(module_id for module_id, _, _, _, size, _ in rows if size is not None)
+
+
+_ModuleRow = tuple[int, int, int, int, int | None, str]
+
+
+def _path_module_rows(session: Session, lease: Lease) -> Sequence[_ModuleRow]:
+    """(module id, level index, version, period, period size, level name) of each module of the lease's path."""
+    return (
+        session.execute(
+            select(Module.id, Module.level_index, Module.version, Module.period, Module.period_size, Level.name)
+            .join(PathModule, PathModule.module_id == Module.id)
+            .join(Level, Level.id == Module.level_id)
+            .where(PathModule.path_id == lease.path_id)
+        )
+        .tuples()
+        .all()
+    )
+
+
+def _levels_of(rows: Sequence[_ModuleRow]) -> dict[int, tuple[int, str]]:
+    return {level_index: (module_id, name) for module_id, level_index, _, _, _, name in rows}
 
 
 def retire_lease(session: Session, lease_id: int, island_id: int) -> bool:

@@ -25,3 +25,12 @@ def no_executors(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
     settings.apply_workers = 0
     with TestClient(create_app(settings, clock=clock)) as client:
         yield client
+
+
+@pytest.fixture(params=["file", "streamed"])
+def value_checks(request: pytest.FixtureRequest, settings: Settings) -> str:
+    """Where an upload's values are checked: read back from the spooled file (bodies under
+    `upload_stream_check_bytes`, which the tests' are), or while it streams in (every body, here)."""
+    if request.param == "streamed":
+        settings.upload_stream_check_bytes = 0
+    return str(request.param)

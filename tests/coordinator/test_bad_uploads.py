@@ -53,7 +53,7 @@ def _reshaped_header(payload: bytes, name: str, shape: Any) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + payload[8 + n :]
 
 
-def test_bad_payloads_are_refused_and_change_nothing(client: TestClient, settings: Settings) -> None:
+def test_bad_payloads_are_refused_and_change_nothing(value_checks: str, client: TestClient, settings: Settings) -> None:
     create_running_run(client)
     island_id, h = join(client, "a")
     other_id, oh = join(client, "b")

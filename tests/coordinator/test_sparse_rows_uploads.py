@@ -36,7 +36,9 @@ def test_sparse_rows_are_refused_with_tied_embeddings(client: TestClient) -> Non
     assert client.get("/v1/runs", headers=A).json()["count"] == 0
 
 
-def test_bad_sparse_uploads_are_refused_and_change_nothing(client: TestClient, settings: Settings) -> None:
+def test_bad_sparse_uploads_are_refused_and_change_nothing(
+    value_checks: str, client: TestClient, settings: Settings
+) -> None:
     run = create_running_run(client, sparse_rows=True)
     assert run["config"]["sparse_rows"] is True
     island_id, h = join(client, "a")

@@ -4,6 +4,7 @@ writes every byte in order, and an oversize or abandoned body leaves neither a t
 from __future__ import annotations
 
 import hashlib
+import os
 import resource
 import signal
 import socket
@@ -87,13 +88,22 @@ def upload_headers(lease: dict[str, Any], h: dict[str, str]) -> dict[str, str]:
     return {**h, "X-Dipaco-Round": str(lease["round"]), "X-Dipaco-Tokens": "32", "X-Dipaco-Train-Loss": "5.0"}
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page-cache"])
 @pytest.mark.parametrize("buffer,in_flight", [(spooling.SPOOL_BUFFER, spooling.SPOOL_IN_FLIGHT), (100_003, 1)])
 def test_body_in_odd_pieces_is_hashed_and_stored_byte_for_byte(
-    settings: Settings, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, buffer: int, in_flight: int
+    settings: Settings,
+    clock: FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+    buffer: int,
+    in_flight: int,
+    direct: bool,
 ) -> None:
-    # (100_003, 1): many buffers, each straddling the server's chunks, and the event loop waiting on every one
+    # (100_003, 1): many buffers, each straddling the server's chunks, and the event loop waiting on every one;
+    # its values checked as they stream in (`PayloadStream`), the file written past the page cache or through it
     monkeypatch.setattr(spooling, "SPOOL_BUFFER", buffer)
     monkeypatch.setattr(spooling, "SPOOL_IN_FLIGHT", in_flight)
+    settings.upload_stream_check_bytes = 0
+    settings.spool_direct = direct
     with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:
         lease, h = running_lease(http)
         payload = outer_gradients(lease)
@@ -189,3 +199,22 @@ def test_write_error_on_the_spool_thread_fails_the_request_and_leaves_nothing(
             assert_nothing_left(settings)
     finally:
         signal.signal(signal.SIGXFSZ, previous)
+
+
+@pytest.mark.parametrize("sizes", [[1], [4096], [4097], [spooling.SPOOL_BUFFER] * 5, [1_000_003, 77, 3 << 20, 4095]])
+def test_the_direct_writer_stores_every_byte_and_cuts_the_file_to_its_size(tmp_path: Path, sizes: list[int]) -> None:
+    path = tmp_path / "body.upload"
+    path.touch()
+    writer = spooling._DirectWriter.open(str(path))
+    if writer is None:
+        pytest.skip(f"no O_DIRECT on {tmp_path}'s filesystem")
+    gen = torch.Generator().manual_seed(len(sizes))
+    pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).numpy().tobytes() for n in sizes]
+    for piece in pieces:
+        writer.write(piece)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        writer.close(fd)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(pieces)

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from tests.coordinator.helpers import create_running_run, join, lease, train_lease, upload
 
 
-def test_non_finite_values_are_counted_in_the_tensor_that_holds_them(client: TestClient) -> None:
+def test_non_finite_values_are_counted_in_the_tensor_that_holds_them(value_checks: str, client: TestClient) -> None:
     create_running_run(client)
     island_id, h = join(client)
     lb = lease(client, island_id, h)

@@ -96,8 +96,19 @@ async def upload_outer_gradients(
         loss = _parse_float(H_TRAIN_LOSS, x_dipaco_train_loss)
         heldout = None if x_dipaco_heldout_loss is None else _parse_float(H_HELDOUT_LOSS, x_dipaco_heldout_loss)
         claimed = _parse_sha256(H_CONTENT_HASH, x_dipaco_content_sha256)
+        declared = request.headers.get("content-length", "")
+        # a large body's values are checked as it arrives, so that its file is not read back; a small one's file
+        # is (cheap, and it spares the request a database read before the body)
+        stream = None
+        if declared.isdigit() and int(declared) >= state.settings.upload_stream_check_bytes:
+            stream = await run_in_threadpool(state.uploads.payload_stream, lease_id, principal.island_id)
         body = await spool_body(
-            request, limit=state.settings.max_upload_bytes, spool_dir=state.spool_dir, digest=claimed is None
+            request,
+            limit=state.settings.max_upload_bytes,
+            spool_dir=state.spool_dir,
+            digest=claimed is None,
+            check=None if stream is None else stream.update,
+            direct=state.settings.spool_direct,
         )
         state.metrics.bytes_in.labels(kind="outer_gradient").inc(body.size)
         digest = claimed if claimed is not None else body.sha256
@@ -113,6 +124,7 @@ async def upload_outer_gradients(
             body_sha256=digest,
             size=body.size,
             hashed=claimed is None,
+            stream=stream,
         )
         try:
             return await run_in_threadpool(state.uploads.accept, upload)
