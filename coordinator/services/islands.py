@@ -49,9 +49,9 @@ def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
 
     On PostgreSQL the commit does not wait for its WAL to reach the disk (`synchronous_commit` off for this
     transaction only): a heartbeat is the most frequent write and carries nothing that must survive a crash of the
-    database (at worst the last fraction of a second of them is lost and a lease expires one heartbeat early; its
-    island's upload then gets a 409 and the work is trained again), and the commits that do, uploads, queue behind
-    fewer disk flushes. Heartbeat commits were 41 % of the heartbeat's time in a profile of 256 islands.
+    database (at worst the last fraction of a second of them is lost, which leaves those leases at the expiry the
+    heartbeat before gave them, several intervals ahead), and the commits that must, uploads, queue behind fewer
+    disk flushes. Heartbeat commits were 41 % of the heartbeat's time in a profile of 256 islands.
     """
     if session.get_bind().dialect.name == "postgresql":
         session.execute(text("SET LOCAL synchronous_commit TO OFF"))
