@@ -176,12 +176,17 @@ def validated_payload(
     squares = _sums_of_squares(
         body, checked.data_start, checked.offsets, checked.expected, codec=codec, block_size=checked.block_size
     )
-    norms = dict.fromkeys(checked.prefixes, 0.0)
+    return _payload(checked, squares)
+
+
+def _payload(header: Header, squares: dict[str, float]) -> Payload:
+    """The payload with each level's norm, from each gradient tensor's sum of squares."""
+    norms = dict.fromkeys(header.prefixes, 0.0)
     for name, total in squares.items():
-        level = checked.expected[name].level
+        level = header.expected[name].level
         if level is not None:
             norms[level] += total
-    return Payload(prefixes=checked.prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=codec)
+    return Payload(prefixes=header.prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=header.codec)
 
 
 @dataclass(slots=True)
@@ -190,8 +195,8 @@ class _Span:
 
     name: str
     entry: _Entry
-    start: int
     end: int
+    """Where its bytes end in the body (tensors tile the data section, so the previous one's end is its start)."""
     carry: bytes = b""
     """The first bytes of a value that the previous buffer cut."""
     squares: float = 0.0
@@ -262,10 +267,7 @@ class PayloadStream:
         if self._error is not None:
             raise self._error
         if self._header is None:  # the body ended inside its header: the same error as from the file
-            self._header = validated_header(
-                bytes(self._head), size, self.cfg, self.layout, self.levels, codec=self.codec,
-                sparse_rows=self.sparse_rows,
-            )  # fmt: skip
+            self._header = self._checked_header(size)
         header = self._header
         _check_size(header.data_start, header.offsets, size)
         kept = {span.name: span for span in self._spans if span.kept is not None}
@@ -278,18 +280,16 @@ class PayloadStream:
         spans = {span.name: span for span in self._spans}
         shapes = {n: e.shape for n, e in header.expected.items() if e.level is not None}
         scale_spans = int8_scale_spans(shapes, header.block_size) if scales is not None else {}
-        norms = dict.fromkeys(header.prefixes, 0.0)
-        for name, entry in header.expected.items():
-            if entry.level is None:
-                continue
+        squares: dict[str, float] = {}
+        for name in shapes:  # the file check's order, so the same tensor is named first
             span = spans[name]
             _check_finite(name, span.nonfinite)
             if span.blocks is not None and scales is not None:
                 start, count = scale_spans[name]
-                norms[entry.level] += _int8_total(span.blocks, scales[start : start + count])
+                squares[name] = _int8_total(span.blocks, scales[start : start + count])
             else:
-                norms[entry.level] += span.squares
-        return Payload(prefixes=header.prefixes, norms={lv: math.sqrt(t) for lv, t in norms.items()}, codec=self.codec)
+                squares[name] = span.squares
+        return _payload(header, squares)
 
     def _take_head(self, view: memoryview) -> memoryview:
         if self._head_size is None:
@@ -306,11 +306,13 @@ class PayloadStream:
             self._start_data()
         return view
 
+    def _checked_header(self, size: int | None) -> Header:
+        return validated_header(
+            bytes(self._head), size, self.cfg, self.layout, self.levels, codec=self.codec, sparse_rows=self.sparse_rows
+        )
+
     def _start_data(self) -> None:
-        header = validated_header(
-            bytes(self._head), None, self.cfg, self.layout, self.levels, codec=self.codec,
-            sparse_rows=self.sparse_rows,
-        )  # fmt: skip
+        header = self._checked_header(None)
         self._pos = header.data_start
         at = 0
         for name, (start, end) in sorted(header.offsets.items(), key=lambda item: item[1]):
@@ -321,7 +323,7 @@ class PayloadStream:
                 )
             at = end
             entry = header.expected[name]
-            span = _Span(name=name, entry=entry, start=header.data_start + start, end=header.data_start + end)
+            span = _Span(name=name, entry=entry, end=header.data_start + end)
             if entry.level is None:
                 span.kept = bytearray()
             elif entry.dtype == "I8":
