@@ -79,7 +79,8 @@ class Settings(BaseSettings):
         default=4 << 20,
         ge=0,
         description="Outer-gradient uploads announcing at least this many bytes have their values checked while "
-        "they stream in, instead of read back from the spooled file (0: every upload)",
+        "they stream in, instead of read back from the spooled file, and the sha256 they name "
+        "(X-Dipaco-Content-Sha256) checked by the apply executor, instead of hashed on the request (0: every upload)",
     )
     spool_direct: bool = Field(
         default=True,

@@ -2,8 +2,8 @@
 
 The event loop only receives and coalesces chunks; hashing (sha256, the blob's name), writing and checking the
 values of a large outer gradient (`services.payloads.PayloadStream`) run on a thread of their own, all releasing
-the GIL, so receiving overlaps them (docs/LOG.md, upload fast path). An upload that names its own sha256 is not
-hashed here (`digest=False`): the apply executor checks it (services/staging.py).
+the GIL, so receiving overlaps them (docs/LOG.md, upload fast path). A large upload that names its own sha256 is
+not hashed here (`digest=False`): the apply executor checks it (services/staging.py).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Verifying staged uploads before any math. Two kinds of upload are recorded before their bytes are hashed:
 an outer gradient an island PUT into the bucket's staging area (`uploads._staged_payload`, recorded on the
-strength of its header), and one sent through the coordinator with the sha256 it claims
-(`X-Dipaco-Content-Sha256`), whose values were checked on the request but whose hash was not (hashing was the
-largest cost of accepting an upload: docs/LOG.md). The apply executor that first needs such an upload hashes it,
-checks that it hashes to the sha256 its island named, checks its values (finite; each module's norm measured,
-the same code as an upload through the coordinator: `payloads.validated_payload`), and gives it its
-content-addressed name. An upload that fails is refused part by part (scale 0, with the reason on the
-contribution), so nothing it carries reaches a module; it is removed from the staging area either way.
+strength of its header), and a large one sent through the coordinator with the sha256 it claims
+(`X-Dipaco-Content-Sha256`, at least `Settings.upload_stream_check_bytes`), whose values were checked on the
+request but whose hash was not (hashing was the largest cost of accepting an upload: docs/LOG.md). The apply
+executor that first needs such an upload hashes it, checks that it hashes to the sha256 its island named, checks
+its values (finite; each module's norm measured, the same code as an upload through the coordinator:
+`payloads.validated_payload`), and gives it its content-addressed name. An upload that fails is refused part by
+part (scale 0, with the reason on the contribution), so nothing it carries reaches a module; it is removed from
+the staging area either way.
 
 Executors of different modules may verify the same upload at once: each does the work, the first commit wins
 (`staged_key` is cleared only where it is still set), and promoting is idempotent.

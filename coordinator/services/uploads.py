@@ -3,9 +3,9 @@
 An upload is checked against its lease (owned, issued for the run's current round, path not yet done, base
 module versions current) and its payload (safetensors header, exact tensor names, the run codec's dtypes,
 shapes, finite values) before anything is written, so a rejected upload changes nothing. A retry of an accepted
-lease returns the same contribution (idempotent). The one check left for later is the hash of an upload that
-named its own sha256 (the island client's uploads, and direct uploads to a bucket): it is staged, and the apply
-executor hashes it before any math (services/staging.py).
+lease returns the same contribution (idempotent). The one check left for later is the hash of a large upload
+that named its own sha256 (the island client's uploads of `upload_stream_check_bytes` or more, and direct uploads
+to a bucket): it is staged, and the apply executor hashes it before any math (services/staging.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ from coordinator.models import (
     Round,
     Run,
 )
-from coordinator.schemas import ContributionPublic, UploadCommit, UploadTicket, UploadTicketRequest
+from coordinator.schemas import (
+    H_CONTENT_HASH,
+    ContributionPublic,
+    UploadCommit,
+    UploadTicket,
+    UploadTicketRequest,
+)
 from coordinator.services.closing import RoundCloser
 from coordinator.services.events import record_refused_upload
 from coordinator.services.payloads import (
@@ -76,6 +82,8 @@ class Upload:
     hashed: bool = True
     """False: `body_sha256` is the island's word for it; an accepted body is staged, and the apply executor
     hashes it before any math (`staging.verify_staged`)."""
+    claimed_sha256: str | None = None
+    """The sha256 the island named (`X-Dipaco-Content-Sha256`); when the body was hashed too, they must agree."""
     heldout_loss: float | None = None
     """`X-Dipaco-Heldout-Loss`, when sent: the lease's start weights scored on the path's held-out slice."""
     stream: PayloadStream | None = None
@@ -318,6 +326,9 @@ def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checke
     lease, run, prior = found.lease, found.run, found.prior
     if lease.island_id != upload.island_id:
         raise Forbidden(f"lease {upload.lease_id} belongs to island {lease.island_id}, not island {upload.island_id}")
+    claimed = upload.claimed_sha256
+    if upload.hashed and claimed is not None and claimed != upload.body_sha256:
+        raise Invalid(f"the body hashes to {upload.body_sha256}, its {H_CONTENT_HASH} header says {claimed}")
     if prior is not None and prior.lease_id == upload.lease_id:
         return Submitted(prior, False, _path_index(session, lease))
     if upload.tokens < 0:

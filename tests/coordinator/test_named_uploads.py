@@ -1,6 +1,7 @@
-"""Uploads that name their own sha256 (`X-Dipaco-Content-Sha256`, as the island client sends them): the values
-are checked on the request, the hash by the apply executor before any math (services/staging.py), on a local
-blob directory."""
+"""Uploads that name their own sha256 (`X-Dipaco-Content-Sha256`, as the island client sends them), on a local
+blob directory: a large one's values are checked on the request, its hash by the apply executor before any math
+(services/staging.py); a small one is hashed on the request. The tests' bodies are small, so the `settings`
+fixture here makes every upload large (`upload_stream_check_bytes` 0) except where a test says otherwise."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ from tests.coordinator.helpers import A, create_running_run, join, lease, train_
 from tests.coordinator.test_bad_uploads import snapshot
 
 H_SHA = "X-Dipaco-Content-Sha256"
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    settings.upload_stream_check_bytes = 0  # every upload large: named hashes are checked by the executor
+    return settings
 
 
 @pytest.fixture
@@ -159,3 +166,29 @@ def test_a_staged_upload_survives_a_restart_before_its_round_is_applied(settings
     for body in bodies.values():
         digest = hashlib.sha256(body).hexdigest()
         assert (blob_dir(settings) / digest[:2] / digest).is_file()
+
+
+def test_a_small_named_upload_is_hashed_on_the_request_and_never_staged(settings: Settings, clock: FakeClock) -> None:
+    """Under the threshold the body is hashed as it streams in: stored under its name when the contribution
+    commits, with nothing left for the executor to verify; a body that does not hash to what it named is refused
+    at once (422, an upload-refused event) and changes nothing."""
+    settings.upload_stream_check_bytes = 1 << 30
+    settings.apply_workers = 0  # nothing verifies or promotes: what is in the store is what the request left
+    with TestClient(create_app(settings, clock=clock)) as client:
+        run = create_running_run(client, name="small")
+        lb, h, body = leased_body(client, "a")
+        digest = hashlib.sha256(body).hexdigest()
+        before = snapshot(settings)
+        wrong = hashlib.sha256(body + b"other").hexdigest()
+        r = upload(client, lb, named(h, wrong), body)
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"] == f"the body hashes to {digest}, its {H_SHA} header says {wrong}"
+        assert snapshot(settings) == before and staged_files(settings) == []
+        events = client.get(f"/v1/events?run_id={run['id']}&kind=upload_refused", headers=A).json()["data"]
+        assert [e["lease_id"] for e in events] == [lb["lease_id"]]
+        r = upload(client, lb, named(h, digest), body)
+        assert r.status_code == 200, r.text
+        assert (blob_dir(settings) / digest[:2] / digest).read_bytes() == body
+        assert staged_files(settings) == []
+        contribution = client.get(f"/v1/contributions?run_id={run['id']}", headers=A).json()["data"][0]
+        assert contribution["lease_id"] == lb["lease_id"]

@@ -126,6 +126,7 @@ def test_a_large_body_that_names_its_hash_is_spooled_unhashed_and_staged_byte_fo
     # many spool-thread buffers, none hashed: the staged file must still be the body, byte for byte
     monkeypatch.setattr(spooling, "SPOOL_BUFFER", 100_003)
     settings.apply_workers = 0  # nothing promotes it: the staged copy is what the request left
+    settings.upload_stream_check_bytes = 1 << 20  # the body (> 3 MiB) is a large one
     with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:
         lease, h = running_lease(http)
         payload = outer_gradients(lease)

@@ -40,6 +40,7 @@ def app(request: pytest.FixtureRequest, tmp_path: Path, database_url: str, clock
         admin_token=ADMIN,  # type: ignore[arg-type]
         join_token=JOIN,  # type: ignore[arg-type]
         apply_workers=0,  # a named upload stays staged: no executor verifies it
+        upload_stream_check_bytes=0,  # every upload large, so that a named one is staged
         staging_sweep_s=0,  # the test sweeps by hand
         **extra,
     )

@@ -83,10 +83,10 @@ async def upload_outer_gradients(
 ) -> ContributionPublic:
     """Body: safetensors in the run's codec, the path's outer gradient named `<level>/<param>` (streamed).
 
-    With `X-Dipaco-Content-Sha256` (the body's sha256, as the island client sends it) the body is not hashed
-    here: its header and values are checked now, its hash by the apply executor before any math, and an upload
-    that does not hash to what it named is refused there (services/staging.py). Without it the coordinator
-    hashes the body while it streams in."""
+    The coordinator hashes the body while it streams in, except a large one (`upload_stream_check_bytes`) that
+    names its sha256 in `X-Dipaco-Content-Sha256`, as the island client does: its header and values are checked
+    now, its hash by the apply executor before any math, and an upload that does not hash to what it named is
+    refused there (services/staging.py). A smaller body that names one is refused at once when it differs."""
     with state.metrics.counting_refused_uploads():
         require(principal, "island")
         assert principal.island_id is not None  # island scope
@@ -97,21 +97,24 @@ async def upload_outer_gradients(
         heldout = None if x_dipaco_heldout_loss is None else _parse_float(H_HELDOUT_LOSS, x_dipaco_heldout_loss)
         claimed = _parse_sha256(H_CONTENT_HASH, x_dipaco_content_sha256)
         declared = request.headers.get("content-length", "")
-        # a large body's values are checked as it arrives, so that its file is not read back; a small one's file
-        # is (cheap, and it spares the request a database read before the body)
+        # a large body's values are checked as it arrives, so that its file is not read back, and the hash it
+        # names is checked by the executor; a small one's file is read back (cheap, and it spares the request a
+        # database read before the body) and it is hashed now (cheap too, and it spares the executor that first
+        # steps with it the verification: async steps are on the islands' critical path)
+        large = declared.isdigit() and int(declared) >= state.settings.upload_stream_check_bytes
         stream = None
-        if declared.isdigit() and int(declared) >= state.settings.upload_stream_check_bytes:
+        if large:
             stream = await run_in_threadpool(state.uploads.payload_stream, lease_id, principal.island_id)
         body = await spool_body(
             request,
             limit=state.settings.max_upload_bytes,
             spool_dir=state.spool_dir,
-            digest=claimed is None,
+            digest=claimed is None or not large,
             check=None if stream is None else stream.update,
             direct=state.settings.spool_direct,
         )
         state.metrics.bytes_in.labels(kind="outer_gradient").inc(body.size)
-        digest = claimed if claimed is not None else body.sha256
+        digest = body.sha256 if body.sha256 is not None else claimed
         assert digest is not None  # spooled with digest=True when none was named
         upload = Upload(
             lease_id=lease_id,
@@ -123,7 +126,8 @@ async def upload_outer_gradients(
             body=body.path,
             body_sha256=digest,
             size=body.size,
-            hashed=claimed is None,
+            hashed=body.sha256 is not None,
+            claimed_sha256=claimed,
             stream=stream,
         )
         try:
