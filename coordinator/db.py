@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,24 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+_READING: ContextVar[bool] = ContextVar("dipaco_reading", default=False)
+
+
+@contextmanager
+def reading() -> Iterator[None]:
+    """Transactions that begin inside (in this thread, or in what it hands its context to) only read.
+
+    On SQLite they begin with a plain, deferred `BEGIN`: in WAL mode a reader works on a snapshot beside the one
+    writer instead of queueing for the write lock as every other transaction does (`BEGIN IMMEDIATE`, see
+    `make_engine`), and writers (an upload, a module step's commit) no longer queue behind it. Nothing changes on
+    PostgreSQL. Only for transactions that write nothing: on SQLite a deferred transaction that tries to write
+    after another one committed fails ("database is locked")."""
+    token = _READING.set(True)
+    try:
+        yield
+    finally:
+        _READING.reset(token)
 
 
 def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Engine:
@@ -41,8 +60,8 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Eng
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn: Any) -> None:
             # IMMEDIATE takes the write lock up front, so check-then-write sequences (pick a free path, close a
-            # round) are serialised exactly as PostgreSQL's row locks serialise them.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # round) are serialised exactly as PostgreSQL's row locks serialise them; readers need not (`reading`).
+            conn.exec_driver_sql("BEGIN" if _READING.get() else "BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=max_overflow)

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.auth import IslandTokenCache, Principal, ServiceTokens, authenticate, known_principal, token_digest
 from coordinator.blobstore import BlobStore
+from coordinator.db import reading
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
@@ -85,7 +86,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 def authenticate_with(state: AppState, authorization: str | None) -> Principal:
     """Authenticate in a session of its own (a worker thread): one indexed lookup, read transaction ended."""
-    with state.sessions() as session:
+    with reading(), state.sessions() as session:
         principal = authenticate(session, state.tokens, authorization, state.island_tokens)
         session.rollback()
         return principal
@@ -129,18 +130,24 @@ class SessionRoute(APIRoute):
     many connections as threads, requests holding connections while queueing for threads, and threads queueing
     for connections, stall until the pool times out (tests/coordinator/test_concurrency.py). Endpoints return
     pydantic models built inside them, so nothing needs the session afterwards.
+
+    GET endpoints only read: their transactions are readers (`db.reading`; on SQLite they no longer take the
+    write lock, so a registry poll or a weights download never holds up an upload or a module step's commit).
     """
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         if not inspect.iscoroutinefunction(endpoint) and "session" in inspect.signature(endpoint).parameters:
-            endpoint = _closing_session(endpoint)
+            endpoint = _closing_session(endpoint, read_only=set(kwargs.get("methods") or ()) <= {"GET", "HEAD"})
         super().__init__(path, endpoint, **kwargs)
 
 
-def _closing_session(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+def _closing_session(endpoint: Callable[..., Any], *, read_only: bool) -> Callable[..., Any]:
     @functools.wraps(endpoint)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
+            if read_only:
+                with reading():
+                    return endpoint(*args, **kwargs)
             return endpoint(*args, **kwargs)
         finally:
             kwargs["session"].close()

@@ -33,6 +33,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from coordinator.blobstore import BlobStore
+from coordinator.db import reading
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleStep, ModuleVersion, Run
 from coordinator.services.leases import Affinity, ReadyOffer
@@ -211,14 +212,15 @@ def apply_step(
     """Step one claimed module and commit; None when the claim was lost meanwhile (nothing is written then).
     Direct uploads the step needs are verified first (`staging.verify_staged`)."""
     verify_staged(session, blobs, run_id=claimed.run_id, round_=claimed.round, module_id=claimed.module_id)
-    module = session.get_one(Module, claimed.module_id)
-    run = session.get_one(Run, claimed.run_id)
-    outer, damping = OuterConfig(**run.config["outer"]), run_schedule(run).damping
-    if module.period_size is not None:  # an async level's module
-        outer = outer.for_async()
-    base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
-    parts = _parts(session, claimed)
-    session.rollback()  # the math runs outside any transaction
+    with reading():  # `_commit` checks again, under the run's lock, that the module is still at this version
+        module = session.get_one(Module, claimed.module_id)
+        run = session.get_one(Run, claimed.run_id)
+        outer, damping = OuterConfig(**run.config["outer"]), run_schedule(run).damping
+        if module.period_size is not None:  # an async level's module
+            outer = outer.for_async()
+        base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
+        parts = _parts(session, claimed)
+        session.rollback()  # the math runs outside any transaction
     started = time.perf_counter()
     stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer, damping)
     new_version = None

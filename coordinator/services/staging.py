@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from coordinator.blobstore import BlobError, BlobStore
+from coordinator.db import reading
 from coordinator.errors import Invalid
 from coordinator.models import Contribution, ContributionGrad, Lease, Level, Module, Run
 from coordinator.services.payloads import validated_payload
@@ -38,17 +39,18 @@ REFUSED = "refused at verification: "
 def verify_staged(session: Session, blobs: BlobStore, *, run_id: int, round_: int, module_id: int) -> int:
     """Verify every direct upload that has a part for `module_id` in its step `round_` (a round, or an async
     module's period) and is still staged; returns how many this call verified or refused. Leaves no transaction open."""
-    staged = session.execute(
-        select(Contribution.id, Contribution.staged_key, ContributionGrad.blob_hash)
-        .join(ContributionGrad, ContributionGrad.contribution_id == Contribution.id)
-        .where(
-            ContributionGrad.module_id == module_id,
-            Contribution.run_id == run_id,
-            ContributionGrad.step == round_,
-            Contribution.staged_key.is_not(None),
-        )
-    ).all()
-    session.rollback()
+    with reading():
+        staged = session.execute(
+            select(Contribution.id, Contribution.staged_key, ContributionGrad.blob_hash)
+            .join(ContributionGrad, ContributionGrad.contribution_id == Contribution.id)
+            .where(
+                ContributionGrad.module_id == module_id,
+                Contribution.run_id == run_id,
+                ContributionGrad.step == round_,
+                Contribution.staged_key.is_not(None),
+            )
+        ).all()
+        session.rollback()
     done = 0
     for contribution_id, key, digest in staged:
         assert key is not None  # selected so
