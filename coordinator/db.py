@@ -34,6 +34,17 @@ def reading() -> Iterator[None]:
         _READING.reset(token)
 
 
+def start_writing(session: Session) -> None:
+    """Inside `reading`, where a reader found that it has something to write: the rest is a writer's. On SQLite the
+    reader's transaction ends here (rolled back: the caller reads again, under its locks, what it writes from) so
+    that the next statement begins with the write lock; on PostgreSQL the transaction goes on as it is."""
+    if not _READING.get():
+        return
+    _READING.set(False)  # until the enclosing `reading` ends
+    if session.get_bind().dialect.name == "sqlite":
+        session.rollback()
+
+
 def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Engine:
     """pool_size + max_overflow should cover the server's worker threads (40 for FastAPI's default
     threadpool), so requests queue for a thread, not for a connection."""

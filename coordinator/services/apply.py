@@ -96,7 +96,9 @@ class _Claimed:
 
 def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S) -> _Claimed | None:
     """Claim the oldest step that is pending, or running under a claim older than `claim_s`, and whose module has
-    no earlier step left; commit."""
+    no earlier step left; commit. A reader looks first (`db.reading`): an executor that finds nothing, as after
+    its last step and at every poll, takes no lock (on SQLite, the write lock the lease requests its step just
+    woke are queueing for)."""
     stale = now - timedelta(seconds=claim_s)
     earlier = aliased(ModuleStep)
     before_it = (
@@ -108,17 +110,17 @@ def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = C
         )
         .exists()
     )
-    candidates = (
-        select(ModuleStep.id, ModuleStep.status)
-        .where(
-            (ModuleStep.status == StepStatus.PENDING)
-            | ((ModuleStep.status == StepStatus.RUNNING) & (ModuleStep.claimed_at < stale)),
-            ~before_it,  # a module's steps apply in order (an async module's periods)
-        )
-        .order_by(ModuleStep.id)
-        .limit(8)
-        .with_for_update(skip_locked=True)
+    claimable = select(ModuleStep.id, ModuleStep.status).where(
+        (ModuleStep.status == StepStatus.PENDING)
+        | ((ModuleStep.status == StepStatus.RUNNING) & (ModuleStep.claimed_at < stale)),
+        ~before_it,  # a module's steps apply in order (an async module's periods)
     )
+    with reading():
+        found = session.execute(claimable.limit(1)).first()
+        session.rollback()
+    if found is None:
+        return None
+    candidates = claimable.order_by(ModuleStep.id).limit(8).with_for_update(skip_locked=True)
     for step_id, status in session.execute(candidates).all():
         taken = session.execute(
             update(ModuleStep)

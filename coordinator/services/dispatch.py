@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from coordinator.blobstore import S3BlobStore
+from coordinator.db import reading, start_writing
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
 from coordinator.schemas import IdleReason, LeasePublic
@@ -155,7 +156,9 @@ class LeaseDispatcher:
     def _from_database(self, island_id: int) -> _Found:
         """A pending offer from the database (made by another process, or before a restart), else a free path."""
         now = self._clock()
-        with self._sessions() as session:
+        # a reader until it finds something to write (`db.start_writing`): on SQLite, islands that find no work
+        # never take the write lock, which uploads and module steps wait for
+        with reading(), self._sessions() as session:
             offered = leases.take_offer(session, island_id, now=now)
             found = _Found(offered, None) if offered is not None else self._free_path(session, island_id, now=now)
             session.rollback()
@@ -168,6 +171,7 @@ class LeaseDispatcher:
         (its successor opens once the apply executors have stepped its modules)."""
         found = self._lease_open_rounds(session, island_id, now=now)
         if found.lease is None and found.idle == "waiting" and found.due:
+            start_writing(session)
             self._closer.close_ready(session, found.due, now=now)
         return _Found(found.lease, found.idle, found.until)
 

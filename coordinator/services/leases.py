@@ -15,7 +15,9 @@ few batched updates instead of every island queueing for the run row at once.
 
 Lease requests are the coordinator's most frequent call, so each is a handful of statements: one to take an
 offer, one to find the open rounds, one probe for a free path (no lock; idle islands polling for work stop
-there), and only when a path is free, the run row locked and the choice made again under the lock.
+there), and only when a path is free, the run row locked and the choice made again under the lock. The dispatcher
+runs them as a reader (`db.reading`) until then: on SQLite a lease request that finds no work never takes the
+write lock (`db.start_writing` where it finds some).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import Select, and_, case, func, literal, or_, select, update
 from sqlalchemy.orm import Session
 
+from coordinator.db import start_writing
 from coordinator.errors import Conflict, Forbidden, NotFound
 from coordinator.models import (
     Contribution,
@@ -257,6 +260,7 @@ def acquire_lease(
             continue
         # FOR NO KEY UPDATE: grants queue behind each other and behind a close (FOR UPDATE), not behind uploads
         # (FOR KEY SHARE, `uploads._record`)
+        start_writing(session)
         run = session.scalar(
             select(Run)
             .where(Run.id == rnd.run_id)
@@ -297,6 +301,7 @@ def _acquire_free(
     if plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, live_s=live_s) is None:
         session.rollback()
         return None
+    start_writing(session)
     run = session.scalar(
         select(Run).where(Run.id == rnd.run_id).with_for_update().execution_options(populate_existing=True)
     )
@@ -720,14 +725,18 @@ def take_up_offers(session: Session, offers: list[ReadyOffer], *, now: datetime)
 
 
 def take_offer(session: Session, island_id: int, *, now: datetime) -> LeasePublic | None:
-    """The island's pending offer, turned into an active lease (committed); None when it has none."""
-    lease = session.scalar(
+    """The island's pending offer, turned into an active lease (committed); None when it has none (found by a
+    read, so that inside `db.reading` the lock is only taken when there is one)."""
+    pending = (
         select(Lease)
         .where(Lease.island_id == island_id, Lease.status == LeaseStatus.OFFERED, Lease.expires_at >= now)
         .order_by(Lease.id)
         .limit(1)
-        .with_for_update()
     )
+    if session.scalar(pending.with_only_columns(Lease.id)) is None:
+        return None
+    start_writing(session)
+    lease = session.scalar(pending.with_for_update())
     if lease is None:
         return None
     run = session.get_one(Run, lease.run_id)

@@ -15,9 +15,10 @@ from sqlalchemy import text
 
 from coordinator.app import create_app
 from coordinator.db import make_engine, make_sessionmaker, reading
+from coordinator.services.apply import claim_step
 from coordinator.settings import Settings
 from tests.conftest import ADMIN, JOIN, FakeClock
-from tests.coordinator.helpers import A, create_running_run
+from tests.coordinator.helpers import A, create_running_run, join, lease
 
 
 def _writer_can_start(db: Path) -> bool:
@@ -91,9 +92,10 @@ def test_reading_follows_the_context_into_a_worker_thread_and_no_further(db: Pat
     assert seen == {"handed context": True, "other thread": False}
 
 
-def test_get_requests_do_not_queue_behind_a_writer(tmp_path: Path, clock: FakeClock) -> None:
-    """A registry read and a weights download answer while another process holds SQLite's write lock (they would
-    wait out the 60 s busy timeout as writers)."""
+def test_reads_and_searches_that_find_nothing_do_not_queue_behind_a_writer(tmp_path: Path, clock: FakeClock) -> None:
+    """A registry read and a weights download answer, an apply executor finds that there is no step to claim,
+    and an island that there is no free path, while another process holds SQLite's write lock (as writers they
+    would wait out the 60 s busy timeout)."""
     settings = Settings(
         data_dir=tmp_path / "coordinator",
         database_url=f"sqlite:///{tmp_path / 'registry.db'}",
@@ -103,6 +105,9 @@ def test_get_requests_do_not_queue_behind_a_writer(tmp_path: Path, clock: FakeCl
     with TestClient(create_app(settings, clock=clock)) as client:
         run = create_running_run(client, name="readers")
         module = client.get(f"/v1/modules?run_id={run['id']}", headers=A).json()["data"][0]
+        for p in range(run["num_paths"]):  # every path leased: one more island finds no work
+            assert lease(client, *join(client, f"busy-{p}")) is not None
+        idle = join(client, "idle")
         holder = sqlite3.connect(tmp_path / "registry.db", timeout=0, isolation_level=None)
         holder.execute("BEGIN IMMEDIATE")
         try:
@@ -110,6 +115,9 @@ def test_get_requests_do_not_queue_behind_a_writer(tmp_path: Path, clock: FakeCl
             for url in (f"/v1/runs/{run['id']}", "/v1/modules", f"/v1/modules/{module['id']}/weights"):
                 r = client.get(url, headers=A)
                 assert r.status_code == 200, (url, r.text)
+            with client.app.state.dipaco.sessions() as session:  # type: ignore[attr-defined]
+                assert claim_step(session, "probe", now=clock()) is None
+            assert lease(client, *idle) is None
             assert time.monotonic() - started < 10
         finally:
             holder.execute("ROLLBACK")
