@@ -555,7 +555,6 @@ def _path_module_rows(session: Session, lease: Lease) -> Sequence[_ModuleRow]:
             .join(Level, Level.id == Module.level_id)
             .where(PathModule.path_id == lease.path_id)
         )
-        .tuples()
         .all()
     )
 
