@@ -33,7 +33,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from coordinator.blobstore import BlobStore
-from coordinator.db import reading
+from coordinator.db import reading, start_writing
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleStep, ModuleVersion, Run
 from coordinator.services.leases import Affinity, ReadyOffer
@@ -116,24 +116,24 @@ def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = C
         ~before_it,  # a module's steps apply in order (an async module's periods)
     )
     with reading():
-        found = session.execute(claimable.limit(1)).first()
+        if session.execute(claimable.limit(1)).first() is None:
+            session.rollback()
+            return None
+        start_writing(session)
+        candidates = claimable.order_by(ModuleStep.id).limit(8).with_for_update(skip_locked=True)
+        for step_id, status in session.execute(candidates).all():
+            taken = session.execute(
+                update(ModuleStep)
+                .where(ModuleStep.id == step_id, ModuleStep.status == status)
+                .values(status=StepStatus.RUNNING, claimed_by=name, claimed_at=now, attempts=ModuleStep.attempts + 1)
+                .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id),
+                execution_options={"synchronize_session": False},
+            ).first()
+            if taken is not None:
+                session.commit()
+                return _Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2])
         session.rollback()
-    if found is None:
         return None
-    candidates = claimable.order_by(ModuleStep.id).limit(8).with_for_update(skip_locked=True)
-    for step_id, status in session.execute(candidates).all():
-        taken = session.execute(
-            update(ModuleStep)
-            .where(ModuleStep.id == step_id, ModuleStep.status == status)
-            .values(status=StepStatus.RUNNING, claimed_by=name, claimed_at=now, attempts=ModuleStep.attempts + 1)
-            .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id),
-            execution_options={"synchronize_session": False},
-        ).first()
-        if taken is not None:
-            session.commit()
-            return _Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2])
-    session.rollback()
-    return None
 
 
 def release_dead_claims(session: Session) -> int:

@@ -548,15 +548,12 @@ _ModuleRow = tuple[int, int, int, int, int | None, str]
 
 def _path_module_rows(session: Session, lease: Lease) -> Sequence[_ModuleRow]:
     """(module id, level index, version, period, period size, level name) of each module of the lease's path."""
-    return (
-        session.execute(
-            select(Module.id, Module.level_index, Module.version, Module.period, Module.period_size, Level.name)
-            .join(PathModule, PathModule.module_id == Module.id)
-            .join(Level, Level.id == Module.level_id)
-            .where(PathModule.path_id == lease.path_id)
-        )
-        .all()
-    )
+    return session.execute(
+        select(Module.id, Module.level_index, Module.version, Module.period, Module.period_size, Level.name)
+        .join(PathModule, PathModule.module_id == Module.id)
+        .join(Level, Level.id == Module.level_id)
+        .where(PathModule.path_id == lease.path_id)
+    ).all()
 
 
 def _levels_of(rows: Sequence[_ModuleRow]) -> dict[int, tuple[int, str]]:
