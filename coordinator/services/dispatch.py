@@ -160,7 +160,15 @@ class LeaseDispatcher:
         # never take the write lock, which uploads and module steps wait for
         with reading(), self._sessions() as session:
             offered = leases.take_offer(session, island_id, now=now)
-            found = _Found(offered, None) if offered is not None else self._free_path(session, island_id, now=now)
+            if offered is not None:
+                found = _Found(offered, None)
+            else:
+                try:
+                    found = self._free_path(session, island_id, now=now)
+                except leases.OfferPending:
+                    # a round closed after the look above and offered this island a path: that is its answer
+                    offered = leases.take_offer(session, island_id, now=now)
+                    found = _Found(offered, None) if offered is not None else _Found(None, "waiting", now)
             session.rollback()
         if found.lease is not None:
             self._metrics.leases_issued.inc()

@@ -377,17 +377,28 @@ def _probes(session: Session, island_id: int) -> dict[int, float]:
     return probes
 
 
+class OfferPending(Conflict):
+    """Raised instead of the capacity refusal when what fills the island's slots includes an offer made to it: the
+    round before closed between the request's look for an offer (`take_offer`) and its grant, and the offer is
+    the answer (`LeaseDispatcher` takes it). Only reaches a client if that offer is gone again by then."""
+
+
 def _check_capacity(session: Session, island_id: int, *, now: datetime, max_leases: int) -> None:
     """Refuse (409, after a rollback) a lease to an island that already holds as many as it may (its claimed
-    `max_leases` and the count of its pending leases in one statement; their ids only for the refusal)."""
+    `max_leases` and the count of its pending leases in one statement; their ids only for the refusal).
+    `OfferPending` when one of them is an offer it has not taken yet."""
     pending = [Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now]
     count = select(func.count(Lease.id)).where(*pending).scalar_subquery()
     capabilities, holding = session.execute(select(Island.capabilities, count).where(Island.id == island_id)).one()
     claimed = capabilities.get("max_leases", 1) if isinstance(capabilities, dict) else 1
     allowed = max(1, min(max_leases, claimed if isinstance(claimed, int) else 1))
     if holding >= allowed:
-        held = session.scalars(select(Lease.id).where(*pending).order_by(Lease.id)).all()
+        rows = session.execute(select(Lease.id, Lease.status).where(*pending).order_by(Lease.id)).all()
         session.rollback()
+        held = [lease_id for lease_id, _ in rows]
+        offered = [lease_id for lease_id, status in rows if status == LeaseStatus.OFFERED]
+        if offered:
+            raise OfferPending(f"island {island_id} has an offer waiting (lease {offered[0]}); ask again to take it")
         listed = ", ".join(str(lease_id) for lease_id in held)
         raise Conflict(
             f"island {island_id} already holds {len(held)} lease(s) ({listed}), as many as it may at once; "

@@ -15,6 +15,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from coordinator.models import Lease
+from coordinator.services import leases
 from modules import OuterConfig, decode, nesterov_step
 from tests.conftest import FakeClock
 from tests.coordinator.helpers import (
@@ -456,6 +457,43 @@ def test_held_islands_get_their_offers_when_the_round_opens(client: TestClient) 
         beat = client.post(f"/v1/islands/{island_id}/heartbeat", headers=h).json()
         assert beat["active_lease_ids"] == [body["lease_id"]]  # active in the database, not only in the reply
     assert len(client.app.state.dipaco.offers) == 1  # type: ignore[attr-defined]  # d's, until d asks
+
+
+def test_an_offer_made_after_the_requests_look_for_one_is_taken_not_refused(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race CI once hit: an island's lease request looks for an offer, finds none, and the round closes (in
+    the apply executor) before it picks a free path, offering the island one. Its one slot is then full of that
+    offer: the request takes it, instead of a 409 (which stops an island)."""
+    create_running_run(client)
+    a_id, ah = join(client, "a")  # one lease at a time
+    b_id, bh = join(client, "b")
+    for island_id, h in [(a_id, ah), (b_id, bh), (a_id, ah), (b_id, bh)]:
+        lb = lease(client, island_id, h)
+        assert lb is not None
+        upload(client, lb, h, train_lease(client, lb, h))
+    wait_applied(client, lb["run_id"])
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        offer = session.scalars(select(Lease).where(Lease.island_id == a_id, Lease.status == "offered")).one()
+    calls: list[int] = []
+    take_offer = leases.take_offer
+
+    def late(session: Session, island_id: int, *, now: datetime) -> object:
+        calls.append(island_id)  # the first look misses the offer, as it did before the close committed
+        return None if len(calls) == 1 else take_offer(session, island_id, now=now)
+
+    monkeypatch.setattr(leases, "take_offer", late)
+    found = state.dispatcher._from_database(a_id)
+    assert calls == [a_id, a_id]
+    assert found.lease is not None and (found.lease.lease_id, found.lease.round) == (offer.id, 1)
+    with pytest.raises(leases.OfferPending, match=f"island {b_id} has an offer waiting"):
+        with state.sessions() as session:  # b's slot is full of its offer too: a grant is refused with the reason
+            rounds = leases.open_rounds(session)
+            leases.acquire_lease(session, b_id, rounds, now=state.clock())
+    with state.sessions() as session:
+        statuses = sorted(session.scalars(select(Lease.status).where(Lease.round == 1)).all())
+    assert statuses == ["active", "offered"]  # a's offer taken, b's still waiting for b; nothing else issued
 
 
 def test_an_offer_the_database_no_longer_holds_is_not_handed_out_from_memory(client: TestClient) -> None:

@@ -202,8 +202,17 @@ def wait_finished(cluster: Cluster, client: httpx.Client, run_id: int, timeout_s
         if run.status == RunStatus.FINISHED:
             return run.model_dump(mode="json")
         time.sleep(0.3)
-    logs = "\n".join(f"--- {p.args[9] if len(p.args) > 9 else p.args}: {p.poll()}" for p in cluster.islands)
+    logs = "\n".join(
+        f"--- island {name} (exit code {proc.poll()}):\n{cluster.log(name)[-1500:]}"
+        for proc in cluster.islands
+        for name in [_island_name(proc)]
+    )
     raise TimeoutError(f"run {run_id} not finished after {timeout_s} s: {run}\n{logs}\n{cluster.log('coordinator')}")
+
+
+def _island_name(proc: subprocess.Popen[bytes]) -> str:
+    args = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
+    return args[args.index("--name") + 1] if "--name" in args else " ".join(args)
 
 
 def wait_islands_joined(client: httpx.Client, count: int, timeout_s: float = 60) -> None:
