@@ -462,9 +462,9 @@ def test_held_islands_get_their_offers_when_the_round_opens(client: TestClient) 
 def test_an_offer_made_after_the_requests_look_for_one_is_taken_not_refused(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The race CI once hit: an island's lease request looks for an offer, finds none, and the round closes (in
-    the apply executor) before it picks a free path, offering the island one. Its one slot is then full of that
-    offer: the request takes it, instead of a 409 (which stops an island)."""
+    """The race that most likely stopped an island in a CI run: an island's lease request looks for an offer,
+    finds none, and the round closes (in the apply executor) before it picks a free path, offering the island
+    one. Its one slot is then full of that offer: the request takes it, instead of a 409 (which stops an island)."""
     create_running_run(client)
     a_id, ah = join(client, "a")  # one lease at a time
     b_id, bh = join(client, "b")
