@@ -12,6 +12,10 @@
    of fp32 gradients sends and receives ~(N-1)/N of the buffer twice; the bound 2x is used), times H.
 
     .venv/bin/python bench/bench_island.py [--flavour small] [--steps 20] [--reps 7] [--rounds 4] [--threads N]
+                                           [--device cpu|cuda]
+
+On CUDA both loops run the forward under the island's bf16 autocast (`island.inner.device_autocast`) and the bare
+loop synchronises the device once at the end, as the island does.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
 from coordinator.states import LeaseStatus
 from island.distributed import free_port
 from island.heartbeat import Heartbeater
+from island.inner import device_autocast
 from island.worker import Island, IslandConfig, LeaseResult
 from modules import InnerConfig, ModelConfig, PathModel, batches_from_tokens, build_path, flavour, init_state
 
@@ -50,14 +55,18 @@ def bare_loop(
     optimizer: torch.optim.Optimizer,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     cfg: InnerConfig,
+    device: torch.device,
 ) -> None:
     model.train()
     params = list(model.parameters())
+    autocast = device_autocast(device)
     for i, (x, y) in enumerate(batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(i)
         optimizer.zero_grad(set_to_none=True)
-        loss = model.loss(x, y)
+        with autocast():
+            loss = model.loss(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
@@ -86,7 +95,7 @@ def fake_lease(cfg: ModelConfig, inner: InnerConfig, steps: int) -> LeasePublic:
     )
 
 
-def bench_inner(cfg: ModelConfig, *, steps: int, reps: int, batch_size: int) -> dict[str, float]:
+def bench_inner(cfg: ModelConfig, *, steps: int, reps: int, batch_size: int, device: str) -> dict[str, float]:
     inner = InnerConfig(warmup_steps=2, total_steps=steps, batch_size=batch_size)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (steps * batch_size * cfg.seq_len + 1,), generator=gen)
@@ -96,9 +105,10 @@ def bench_inner(cfg: ModelConfig, *, steps: int, reps: int, batch_size: int) -> 
     islands = {}
     for which, quiet in (("island", True), ("island+bar", False)):
         island = Island(
-            IslandConfig(coordinator="http://127.0.0.1:9", token="x", cache_dir=Path(tmp), device="cpu", quiet=quiet),
+            IslandConfig(coordinator="http://127.0.0.1:9", token="x", cache_dir=Path(tmp), device=device, quiet=quiet),
             console=Console(file=io.StringIO(), width=120, force_terminal=True),
         )
+        island.device = torch.device(device)  # join() resolves it; these islands never join
         island._heartbeat = Heartbeater(island.client, interval_s=3600)  # never started: the flag checks still run
         islands[which] = island
     lease = fake_lease(cfg, inner, steps)
@@ -107,11 +117,11 @@ def bench_inner(cfg: ModelConfig, *, steps: int, reps: int, batch_size: int) -> 
     secs: dict[str, list[float]] = {k: [] for k in order}
     for rep in range(reps + 1):  # rep 0 warms everything up
         for which in order[rep % 3 :] + order[: rep % 3]:  # rotate who goes first
-            model = build_path(cfg, [weights])
+            model = build_path(cfg, [weights]).to(device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2))
             t0 = time.perf_counter()
             if which == "bare":
-                bare_loop(model, optimizer, batches, inner)
+                bare_loop(model, optimizer, batches, inner, torch.device(device))
             else:
                 result = LeaseResult(lease_id=1, round=0, path_index=0, status="uploaded")
                 islands[which]._inner_steps(lease, model, optimizer, batches, inner, result)
@@ -153,7 +163,9 @@ def coordinator(tmp: Path, admin: str, join: str) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def bench_round(flavour_name: str, *, steps: int, rounds: int, batch_size: int) -> tuple[list[LeaseResult], float, int]:
+def bench_round(
+    flavour_name: str, *, steps: int, rounds: int, batch_size: int, device: str
+) -> tuple[list[LeaseResult], float, int]:
     cfg = flavour(flavour_name)
     admin, join = secrets.token_hex(16), secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="bench-island-") as d, coordinator(Path(d), admin, join) as url:
@@ -173,7 +185,7 @@ def bench_round(flavour_name: str, *, steps: int, rounds: int, batch_size: int) 
             params = sum(m.num_params for m in client.modules(run_id=run.id))
         island = Island(
             IslandConfig(
-                coordinator=url, token=join, cache_dir=Path(d) / "island", device="cpu", quiet=True,
+                coordinator=url, token=join, cache_dir=Path(d) / "island", device=device, quiet=True,
                 handle_signals=False, probe=False,
             )
         )  # fmt: skip
@@ -193,16 +205,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the island's --device)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = flavour(args.flavour)
     print(
         f"flavour {args.flavour}, H={args.steps}, batch {args.batch_size}x{cfg.seq_len}, "
-        f"threads {torch.get_num_threads()}"
+        f"threads {torch.get_num_threads()}, device {args.device}"
+        + (f" ({torch.cuda.get_device_name(torch.device(args.device))})" if args.device.startswith("cuda") else "")
     )
 
-    r = bench_inner(cfg, steps=args.steps, reps=args.reps, batch_size=args.batch_size)
+    r = bench_inner(cfg, steps=args.steps, reps=args.reps, batch_size=args.batch_size, device=args.device)
     print(f"[inner] bare loop {r['bare_tok_s']:.0f} tok/s (median over repetitions)")
     for k in ("island", "island+bar"):
         print(
@@ -210,7 +224,9 @@ def main() -> None:
             f"{r[f'{k}_ratio_median']:.3f}, best-of {r[f'{k}_ratio_best']:.3f} (target >= 0.97)"
         )
 
-    results, wall, params = bench_round(args.flavour, steps=args.steps, rounds=args.rounds, batch_size=args.batch_size)
+    results, wall, params = bench_round(
+        args.flavour, steps=args.steps, rounds=args.rounds, batch_size=args.batch_size, device=args.device
+    )
     print(f"[round] {len(results)} rounds on loopback, {wall:.2f} s from start to leave, {params} params on the path")
     print("  round  fetch_s  train_s  upload_s  other_s  outside%  down_MB  up_MB")
     total_train = sum(x.train_s for x in results)

@@ -105,7 +105,9 @@ def join(
     from rich.console import Console
     from rich.logging import RichHandler
 
-    from island.distributed import follower_main, launch_followers, ranks_from_env
+    from island.capabilities import resolve_device
+    from island.distributed import check_gpus, follower_main, launch_followers, ranks_from_env
+    from island.errors import IslandError
     from island.worker import Island, IslandConfig, default_name
 
     console = Console(stderr=True)
@@ -140,6 +142,15 @@ def join(
         raise typer.BadParameter(str(exc)) from exc
     followers: list[subprocess.Popen[bytes]] = []
     if nproc > 1 and not ranks.distributed:
+        try:
+            cuda = resolve_device(device).type == "cuda"
+        except IslandError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--device") from exc
+        try:
+            if cuda:
+                check_gpus(nproc)
+        except IslandError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--nproc") from exc
         followers = launch_followers(nproc, device=device)
         ranks = ranks_from_env()
     try:

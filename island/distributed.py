@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from coordinator.schemas import LeasePublic
 from island.capabilities import resolve_device
+from island.errors import IslandError
 from island.inner import Ranks, inner_phase
 from island.optimizer_state import InnerStates
 from modules import InnerConfig, ModelConfig, PathModel, batches_from_tokens, make_optimizer
@@ -61,10 +62,23 @@ def ranks_from_env() -> Ranks:
 
 
 def rank_device(base: torch.device) -> torch.device:
-    """One GPU per rank (cuda:LOCAL_RANK) on CUDA; CPU ranks share the CPU."""
+    """One GPU per rank (cuda:LOCAL_RANK) on CUDA; CPU ranks share the CPU. A local rank with no GPU of its own
+    is an `IslandError` naming the count (NCCL refuses two ranks on one GPU)."""
     if base.type == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        check_gpus(local + 1)
+        return torch.device("cuda", local)
     return base
+
+
+def check_gpus(nproc: int) -> None:
+    """Refuse `nproc` CUDA ranks on a machine with fewer GPUs: each rank takes cuda:LOCAL_RANK."""
+    count = torch.cuda.device_count()
+    if nproc > count:
+        raise IslandError(
+            f"{nproc} CUDA processes need {nproc} GPUs (one each: cuda:0..cuda:{nproc - 1}), but this machine has "
+            f"{count}; use at most {count} per machine, or --device cpu"
+        )
 
 
 def init_group(ranks: Ranks, device: torch.device) -> None:

@@ -82,7 +82,6 @@ def inner_phase(
     first_step: int,
     device: torch.device,
     ranks: Ranks = Ranks(),
-    autocast: AutocastFactory = contextlib.nullcontext,
     before_step: Callable[[int], bool] | None = None,
     after_step: Callable[[int, torch.Tensor], None] | None = None,
 ) -> list[float]:
@@ -90,7 +89,8 @@ def inner_phase(
 
     `before_step(i)` (rank 0's answer counts) returns False to stop before step i. `after_step(i, loss)` gets
     the rank-local loss tensor (not synchronised, so it costs no device sync). The returned losses are the
-    means over all ranks of the whole global batch; fewer than `len(batches)` when stopped.
+    means over all ranks of the whole global batch; fewer than `len(batches)` when stopped. The forward runs under
+    `device_autocast(device)`, so every rank of an island, and the capabilities probe, train in one precision.
     """
     model.train()
     loss_module: nn.Module = PathLoss(model)
@@ -99,6 +99,7 @@ def inner_phase(
         # weights whatever it built locally.
         loss_module = DistributedDataParallel(loss_module, device_ids=[device.index] if device.type == "cuda" else None)
     rows = ranks.rows(batches[0][0].shape[0]) if batches else slice(None)
+    autocast = device_autocast(device)
     params = [p for p in model.parameters() if p.requires_grad]
     losses: list[torch.Tensor] = []
     for i, (x, y) in enumerate(batches):
@@ -128,3 +129,15 @@ def inner_phase(
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
         stacked /= ranks.world_size
     return [float(v) for v in stacked.cpu()]
+
+
+def device_autocast(device: torch.device) -> AutocastFactory:
+    """The island's mixed precision: bf16 autocast around the forward on CUDA (parameters, gradients and AdamW
+    state stay fp32); nothing elsewhere (CPU islands train in fp32)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext
+
+    def bf16() -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+
+    return bf16

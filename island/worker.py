@@ -38,7 +38,7 @@ from island.distributed import Leader, init_group, rank_device
 from island.errors import ClientError, CoordinatorUnavailable, IntegrityError, IslandError, LeaseLost
 from island.faults import Stall
 from island.heartbeat import Heartbeater
-from island.inner import AutocastFactory, Ranks, inner_phase
+from island.inner import Ranks, inner_phase
 from island.optimizer_state import InnerStates
 from island.progress import LeaseProgress
 from modules import (
@@ -512,7 +512,6 @@ class Island:
                 first_step=lease.first_step,
                 device=self.device,
                 ranks=self.ranks,
-                autocast=_autocast(self.device),
                 before_step=before_step,
                 after_step=progress.step,
             )
@@ -614,17 +613,6 @@ class Island:
 
 def _result(lease: LeasePublic, status: Literal["uploaded", "lost", "stopped"], **fields: Any) -> LeaseResult:
     return LeaseResult(lease_id=lease.lease_id, round=lease.round, path_index=lease.path_index, status=status, **fields)
-
-
-def _autocast(device: torch.device) -> AutocastFactory:
-    """bf16 autocast around the forward on CUDA (parameters and AdamW state stay fp32); nothing elsewhere."""
-    if device.type != "cuda":
-        return contextlib.nullcontext
-
-    def bf16() -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-
-    return bf16
 
 
 def _outer_gradients(

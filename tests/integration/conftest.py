@@ -23,6 +23,9 @@ from coordinator.states import IslandStatus, RunStatus
 from island.distributed import free_port
 from tests.conftest import ADMIN, JOIN
 
+ISLAND_DEVICE = os.environ.get("DIPACO_TEST_ISLAND_DEVICE", "cpu")
+"""`--device` of the islands these tests start: cpu here and in CI; bench/gpu_check.sh sets cuda on a GPU machine."""
+
 
 @dataclass
 class Cluster:
@@ -124,7 +127,7 @@ class Cluster:
                 "--cache-dir",
                 str(self.tmp / name),
                 "--device",
-                "cpu",
+                ISLAND_DEVICE,
                 "--quiet",
                 *extra,
             ],
