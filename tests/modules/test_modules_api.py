@@ -20,6 +20,7 @@ PUBLIC = {
     "RoundAccumulator",
     "SimulationResult",
     "accumulate",
+    "all_finite",
     "alpha_weights",
     "batches_from_tokens",
     "heldout_loss",

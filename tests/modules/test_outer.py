@@ -13,6 +13,7 @@ from modules import (
     OuterConfig,
     RoundAccumulator,
     accumulate,
+    all_finite,
     alpha_weights,
     batches_from_tokens,
     build_path,
@@ -307,3 +308,58 @@ def test_a_step_that_would_be_non_finite_raises() -> None:
     acc.add({"w": torch.full((2,), -3.0e38)}, 1.0)
     with pytest.raises(NonFiniteStep, match="non-finite"):
         acc.finish(params, None, OuterConfig(max_norm=None))
+
+
+def test_the_in_place_outer_step_is_the_written_out_formula_bit_for_bit() -> None:
+    """`RoundAccumulator` folds in place and `nesterov_step` makes two tensors per parameter; the roundings are
+    those of `acc + w * g`, `sum / total`, `mu * m + g`, `g + mu * buf`, `p - lr * u` written out (the form they
+    replaced), for uniform and for token weights, over tensors larger than one norm chunk."""
+    shapes = {"w": (300, 257), "b": (257,)}
+    gen = torch.Generator().manual_seed(7)
+    params = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    mom = {n: torch.randn(s, generator=gen) * 0.1 for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=gen) * 0.01 for n, s in shapes.items()} for _ in range(3)]
+    cfg = OuterConfig(lr=0.7, momentum=0.9)
+    for weights in ([1.0, 1.0, 1.0], [1000.0, 17.0, 250.5]):
+        acc = RoundAccumulator()
+        for g, w in zip(grads, weights, strict=True):
+            acc.add(g, w)
+        new, new_mom = acc.finish(params, mom, cfg)
+        assert new_mom is not None
+        total = {n: grads[0][n] * weights[0] for n in shapes}
+        for g, w in zip(grads[1:], weights[1:], strict=True):
+            total = {n: total[n] + g[n] * w for n in shapes}
+        for n in shapes:
+            avg = total[n] / sum(weights)
+            buf = mom[n] * cfg.momentum + avg
+            assert torch.equal(new_mom[n], buf)
+            assert torch.equal(new[n], params[n] - cfg.lr * (avg + cfg.momentum * buf))
+    assert grad_norm(params) == pytest.approx(math.sqrt(sum(float((t.double() ** 2).sum()) for t in params.values())))
+
+
+def test_a_finished_round_refuses_more_work_and_changes_nothing() -> None:
+    params, g = grad_set(0), grad_set(1)
+    acc = RoundAccumulator()
+    acc.add(g)
+    acc.finish(params, None, OuterConfig())
+    for again in (lambda: acc.add(g), acc.mean, lambda: acc.finish(params, None, OuterConfig())):
+        with pytest.raises(ValueError, match="this round was finished"):
+            again()
+    assert acc.count == 1
+
+
+def test_a_part_with_other_tensor_names_is_refused_before_it_counts() -> None:
+    acc = RoundAccumulator()
+    acc.add(grad_set(0))
+    with pytest.raises(KeyError, match="tensor names differ"):
+        acc.add({"w": grad_set(1)["w"]})
+    assert acc.count == 1
+    torch.testing.assert_close(acc.mean()["b"], grad_set(0)["b"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_all_finite_finds_one_bad_value_among_many_and_no_false_alarm_at_float32_max(bad: float) -> None:
+    big = torch.full((200_000,), 3.4e38)  # a float32 sum would overflow; the float64 one cannot
+    assert all_finite(big) and all_finite(-big)
+    big[123_457] = bad
+    assert not all_finite(big)
