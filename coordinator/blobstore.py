@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
 
-from modules.codec import decode_grad_part, read_metadata
+from modules.codec import decode_grad_part, encode_pieces, read_metadata
 
 CHUNK = 1 << 20
 STAGING = "staging"
@@ -51,6 +51,11 @@ class BlobStore(Protocol):
     def exists(self, digest: str) -> bool: ...
 
     def put_bytes(self, data: bytes) -> str: ...
+
+    def put_tensors(self, tensors: Mapping[str, torch.Tensor]) -> str:
+        """Store float32 tensors as one safetensors blob, `modules.codec.encode`'s bytes (so its name is
+        sha256(encode(tensors))), without building those bytes in memory where the store can stream them."""
+        ...
 
     def put_stream(self, src: BinaryIO) -> tuple[str, int]:
         """Copy a readable file into the store; returns (sha256, size)."""
@@ -123,6 +128,14 @@ class LocalBlobStore:
             with self._writing(lambda: self.path(digest)) as out:
                 out.write(data)
         return digest
+
+    def put_tensors(self, tensors: Mapping[str, torch.Tensor]) -> str:
+        h = hashlib.sha256()
+        with self._writing(lambda: self.path(h.hexdigest())) as out:
+            for piece in encode_pieces(tensors):
+                h.update(piece)
+                out.write(piece)
+        return h.hexdigest()
 
     def put_stream(self, src: BinaryIO) -> tuple[str, int]:
         h = hashlib.sha256()
@@ -295,6 +308,10 @@ class S3BlobStore:
         if not self.exists(digest):
             self.client.put_object(Bucket=self.bucket, Key=self.key(digest), Body=data)
         return digest
+
+    def put_tensors(self, tensors: Mapping[str, torch.Tensor]) -> str:
+        # one PUT of known content (the hash names the key before it): the pieces joined, `encode`'s bytes
+        return self.put_bytes(b"".join(encode_pieces(tensors)))
 
     def put_stream(self, src: BinaryIO) -> tuple[str, int]:
         # The key is the content hash, so the content is hashed into a local spool file first.

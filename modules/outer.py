@@ -204,7 +204,7 @@ def nesterov_step(
     buf = mu * buf + g;  p = p - lr * (g + mu * buf).  A missing momentum buffer is zeros (first round).
     Two new tensors per parameter (the buffer, and the update that becomes the new weights), the same roundings
     as the formula written out (p - lr*u is p + (-lr)*u exactly), so results are bit for bit those of the
-    out-of-place form, at about half the time on a 117M-parameter module (bench/bench_outer_math.py).
+    out-of-place form, at about half the time on a 117M-parameter module (bench/bench_outer_step.py).
     """
     new_params: Tensors = {}
     new_mom: Tensors = {}

@@ -48,7 +48,6 @@ from modules import (
     RoundAccumulator,
     contribution_weight,
     decode,
-    encode,
     expand_rows,
     outlier_bound,
     outlier_scales,
@@ -229,8 +228,8 @@ def apply_step(
     if stepped is not None:
         new_params, new_momentum = stepped
         new_version = _NewVersion(
-            weights_hash=blobs.put_bytes(encode(new_params)),
-            momentum_hash=blobs.put_bytes(encode(new_momentum)) if new_momentum is not None else None,
+            weights_hash=blobs.put_tensors(new_params),
+            momentum_hash=blobs.put_tensors(new_momentum) if new_momentum is not None else None,
             weight_norm=weight_norm(new_params),  # the tensors in hand: nothing more is read
         )
     return _commit(session, claimed, name, base_version, parts, new_version, clock=clock, faults=faults,

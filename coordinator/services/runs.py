@@ -20,7 +20,6 @@ from modules import (
     InnerConfig,
     LayoutError,
     ModelConfig,
-    encode,
     flavour,
     grad_norm,
     init_level_modules,
@@ -211,7 +210,7 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
         )
         session.add(row)
         session.flush()
-        digest = blobs.put_bytes(encode(init[li]))
+        digest = blobs.put_tensors(init[li])
         num_params = sum(t.numel() for t in init[li].values())
         norm = weight_norm(init[li])  # the level's modules all start from the same weights
         ids = []

@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
 from coordinator.blobstore import BlobError, BlobStore, LocalBlobStore, S3BlobStore, open_blob_store
 from coordinator.settings import Settings
+from modules.codec import CodecError, encode
 from tests.conftest import ADMIN, JOIN, FakeClock
 from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload, wait_applied
 
@@ -66,6 +68,17 @@ def test_contract(store: BlobStore) -> None:
         store.get_bytes(digest)
     with pytest.raises(BlobError, match="is corrupted"):
         b"".join(store.iter_verified(digest))
+
+
+def test_put_tensors_names_and_stores_the_bytes_encode_gives(store: BlobStore) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(300, 257, generator=gen), "b": torch.randn(257, generator=gen)}
+    digest = store.put_tensors(tensors)
+    assert digest == hashlib.sha256(encode(tensors)).hexdigest()
+    assert store.get_bytes(digest) == encode(tensors)
+    assert store.put_tensors(tensors) == digest  # idempotent
+    with pytest.raises(CodecError, match="float32 tensors only"):
+        store.put_tensors({"w": torch.zeros(3, dtype=torch.bfloat16)})
 
 
 def test_staging_contract(store: BlobStore, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from modules import (
     parse_layout,
     split_state,
 )
-from modules.codec import dequantize_int8, quantize_int8, read_metadata
+from modules.codec import dequantize_int8, encode_pieces, quantize_int8, read_metadata
 
 
 def grads(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -40,6 +40,26 @@ def test_encode_decode_round_trip() -> None:
     back = decode(encode(t, metadata={"round": "3"}))
     assert back.keys() == t.keys()
     assert all(torch.equal(back[n], t[n]) for n in t)
+
+
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        {},
+        {"only": torch.zeros(0)},
+        {"scalar": torch.tensor(2.5), "b": torch.arange(7.0), "a": torch.ones(3, 4)},
+        {"t": torch.arange(12.0).reshape(3, 4).t(), "é/name": torch.full((5,), -0.0)},  # not contiguous; unicode
+        {f"blocks.{i}.w": torch.randn(9, 5, generator=torch.Generator().manual_seed(i)) for i in range(12)},
+    ],
+    ids=["empty", "zero-size", "scalar-and-order", "strided-unicode", "many"],
+)
+def test_encode_pieces_are_encodes_bytes(tensors: dict[str, torch.Tensor]) -> None:
+    assert b"".join(encode_pieces(tensors)) == encode(tensors)
+
+
+def test_encode_pieces_refuses_other_dtypes() -> None:
+    with pytest.raises(CodecError, match="'h' is torch.float16"):
+        encode_pieces({"w": torch.zeros(2), "h": torch.zeros(2, dtype=torch.float16)})
 
 
 def test_decode_refuses_dtypes_outside_allow_list() -> None:
