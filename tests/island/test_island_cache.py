@@ -62,6 +62,23 @@ def test_a_failed_write_leaves_neither_blob_nor_temp_file(tmp_path: Path, monkey
     assert list((tmp_path / "blobs").iterdir()) == []
 
 
+def test_a_blob_a_power_cut_left_torn_is_fetched_again(tmp_path: Path) -> None:
+    """What a crash could leave behind (a blob file short of its bytes, or empty) fails its hash and is replaced
+    by a fresh fetch, for weights and for token files alike."""
+    data = b"weights" * 1000
+    tokens = (np.arange(500, dtype="<u2") * 3).tobytes()
+    for torn in (data[:100], b""):
+        cache = BlobCache(tmp_path)
+        cache.put(sha(data), data)
+        cache.put(sha(tokens), tokens)
+        cache.path(sha(data)).write_bytes(torn)
+        cache.path(sha(tokens)).write_bytes(tokens[: len(torn)])
+        after = BlobCache(tmp_path)  # the island started again
+        assert after.get_or_fetch(sha(data), lambda: data) == data
+        np.testing.assert_array_equal(after.tokens(sha(tokens), lambda: tokens), np.frombuffer(tokens, dtype="<u2"))
+        assert after.misses == 2 and after.hits == 0
+
+
 def test_tokens_are_memory_mapped_little_endian_and_cached(tmp_path: Path) -> None:
     cache = BlobCache(tmp_path)
     tokens = np.arange(1000, dtype="<u2") * 7
