@@ -1,9 +1,11 @@
-"""`dipaco island join --nproc 2`: a 2-process gloo island (rank 0 talks to the coordinator, DDP inside) trains a
-run to the end against a real coordinator. Numerical equality with one process: tests/island/test_island_ddp.py.
+"""`dipaco island join --nproc 2`, and the same under `torchrun --nproc-per-node 2`: a 2-process gloo island
+(rank 0 talks to the coordinator, DDP inside) trains a run to the end against a real coordinator. Numerical
+equality with one process: tests/island/test_island_ddp.py.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,19 @@ def test_two_process_island_trains_a_run_to_the_end(cluster: Cluster) -> None:
     assert contributions["count"] == 4  # 2 paths x 2 rounds, all from the one (2-process) island
     assert len({c["island_id"] for c in contributions["data"]}) == 1
     assert "x 2 process(es)" in cluster.log("ddp")
+
+
+def test_torchrun_launches_a_two_rank_island_that_trains_a_run_to_the_end(cluster: Cluster) -> None:
+    """The launch the Kubernetes GPU overlay uses (`torchrun --nproc-per-node N -m dipaco island join`): torchrun's
+    own rendezvous, RANK / WORLD_SIZE / MASTER_* from it, rank 1 a follower; here with gloo on the CPU."""
+    cluster.start_coordinator()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python"]
+    with cluster.admin() as client:
+        run_id = create_run(client, SPEC)
+        island = cluster.start_island("torchrun", "--no-probe", wrap=torchrun)
+        wait_finished(cluster, client, run_id, timeout_s=90)
+        assert island.wait(timeout=60) == 0, cluster.log("torchrun")
+        contributions = client.get("/v1/contributions", params={"run_id": run_id}).json()
+
+    assert contributions["count"] == 4 and len({c["island_id"] for c in contributions["data"]}) == 1
+    assert "x 2 process(es)" in cluster.log("torchrun")
