@@ -267,10 +267,24 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
+FOLLOWER_TERM_GRACE_S = 10.0
+"""How long a follower that got SIGTERM keeps following rank 0 before it exits 143 by itself. torchrun's agent
+sends SIGTERM to every rank at once (Kubernetes deleting a pod, say): a follower that died at once left rank 0
+failing its next collective ("Connection reset by peer") instead of stopping every rank at one step, releasing
+its lease and saying `stop`. The agent waits 30 s before it kills what is left."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    timer = threading.Timer(FOLLOWER_TERM_GRACE_S, os._exit, args=(128 + signal.SIGTERM,))
+    timer.daemon = True
+    timer.start()
+
+
 def follower_main(device_name: str) -> int:
     """Entry point of ranks 1..N-1. SIGINT is ignored: a terminal Ctrl-C reaches the whole process group, and
-    rank 0 decides (release the lease, then `stop`)."""
+    rank 0 decides (release the lease, then `stop`); SIGTERM gives rank 0 `FOLLOWER_TERM_GRACE_S` to do so."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()

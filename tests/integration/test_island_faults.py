@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -91,12 +92,12 @@ def wait_for(
 
 
 def start_stalled(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, name: str, stall: str, *extra: str
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, name: str, stall: str, *extra: str, wrap: Sequence[str] = ()
 ) -> subprocess.Popen[bytes]:
     """An island whose lease of round ROUND stalls before step STEP (heartbeats go on)."""
     monkeypatch.setenv("DIPACO_ISLAND_FAULT_STALL", stall)
     try:
-        return cluster.start_island(name, *FAST_RETRY, *extra)
+        return cluster.start_island(name, *FAST_RETRY, *extra, wrap=wrap)
     finally:
         monkeypatch.delenv("DIPACO_ISLAND_FAULT_STALL")
 
@@ -237,3 +238,34 @@ def test_ctrl_c_releases_the_lease_at_once(cluster: Cluster, engine: Engine, mon
     ]
     assert module_versions(cluster, run_id) == [2, 2, 2]
     assert "released lease" in cluster.log("quitter")
+
+
+def test_sigterm_under_torchrun_stops_both_ranks_together_and_releases_the_lease(
+    cluster: Cluster, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's agent passes SIGTERM to every rank at once (a Kubernetes pod being deleted). The follower used
+    to die at once, so rank 0's next collective failed ("Connection reset by peer") before it released; now the
+    follower keeps following for `FOLLOWER_TERM_GRACE_S`, both ranks stop at one step, rank 0 releases the lease
+    and sends `stop`."""
+    cluster.start_coordinator()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python"]
+    with cluster.admin() as client:
+        spec = {
+            **ONE_PATH,
+            "name": "torchrun-term",
+            "lease_ttl_s": 120,
+            "inner": {**ONE_PATH["inner"], "batch_size": 4},
+        }
+        create_run(client, spec)
+        quitter = start_stalled(cluster, monkeypatch, "quitter", "0:1:600", wrap=torchrun)
+        wait_for(
+            "quitter holds a lease", stalling(cluster, "quitter"), timeout_s=60, cluster=cluster, logs=("quitter",)
+        )
+        quitter.send_signal(signal.SIGTERM)
+        quitter.wait(timeout=30)  # torchrun's own exit code is 1 (its SignalException), whatever the ranks did
+
+    log = cluster.log("quitter")
+    (held,) = leases(engine)
+    assert held.status == "released", log
+    assert "released lease" in log and "x 2 process(es)" in log
+    assert "Connection reset" not in log and "RuntimeError" not in log, log
