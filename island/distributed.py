@@ -26,6 +26,7 @@ import gc
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,6 +92,17 @@ def init_group(ranks: Ranks, device: torch.device) -> None:
         world_size=ranks.world_size,
         timeout=timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV, "1800"))),
     )
+
+
+def group_failure(exc: BaseException) -> str | None:
+    """What failed, in one line, when `exc` is a collective of the island's process group failing (a rank gone
+    or stuck: NCCL's `DistError`s, gloo's connection errors and timeouts, which torch raises as a plain
+    RuntimeError naming gloo); None for anything else."""
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))):
+        return None
+    text = " ".join(str(exc).split())
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's "[.../pair.cc:553] " source location
+    return text.split(". ")[0] or type(exc).__name__
 
 
 def free_port() -> int:
@@ -291,4 +303,11 @@ def follower_main(device_name: str) -> int:
     ranks = ranks_from_env()
     device = rank_device(resolve_device(device_name))
     init_group(ranks, device)
-    return Follower(ranks, device).run()
+    try:
+        return Follower(ranks, device).run()
+    except Exception as exc:
+        failed = group_failure(exc)
+        if failed is None:
+            raise
+        log.error("rank %d: rank 0 is gone or stuck (the island's process group failed: %s)", ranks.rank, failed)
+        return 1

@@ -34,7 +34,7 @@ from coordinator.schemas import GRAD_KEY_SEP, ContributionPublic, LeaseModule, L
 from island.cache import BlobCache
 from island.capabilities import capabilities, resolve_device
 from island.client import CoordinatorClient, RetryPolicy
-from island.distributed import Leader, init_group, rank_device
+from island.distributed import Leader, group_failure, init_group, rank_device
 from island.errors import ClientError, CoordinatorUnavailable, IntegrityError, IslandError, LeaseLost
 from island.faults import Stall
 from island.heartbeat import Heartbeater
@@ -267,8 +267,12 @@ class Island:
             except (IslandError, ClientError) as exc:
                 log.error("%s", exc)
                 code = EXIT_ERROR
-            except Exception:
-                log.exception("island crashed")
+            except Exception as exc:
+                failed = group_failure(exc) if self._leader is not None else None
+                if failed is None:
+                    log.exception("island crashed")
+                else:
+                    log.error("a follower rank is gone or stuck (the island's process group failed: %s)", failed)
                 code = EXIT_ERROR
             finally:
                 self._shutdown()

@@ -8,6 +8,7 @@ no test depends on training being slow enough to be caught in the act.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -269,3 +270,38 @@ def test_sigterm_under_torchrun_stops_both_ranks_together_and_releases_the_lease
     assert held.status == "released", log
     assert "released lease" in log and "x 2 process(es)" in log
     assert "Connection reset" not in log and "RuntimeError" not in log, log
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc: no ps needed)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_follower_that_dies_stops_the_island_with_one_line_and_no_lease_held(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """A follower SIGKILLed (OOM killer, say): rank 0's next collective fails; it says so in one line (not an
+    "island crashed" traceback), releases what it holds and exits 1."""
+    cluster.start_coordinator()
+    island = cluster.start_island("lonely", *FAST_RETRY, "--nproc", "2")
+    wait_for(
+        "lonely joined", lambda: "joined" in cluster.log("lonely"), timeout_s=60, cluster=cluster, logs=("lonely",)
+    )
+    (follower,) = _children(island.pid)
+    os.kill(follower, signal.SIGKILL)
+    with cluster.admin() as client:
+        create_run(client, {**ONE_PATH, "name": "lonely", "inner": {**ONE_PATH["inner"], "batch_size": 4}})
+        assert island.wait(timeout=60) == 1, cluster.log("lonely")
+
+    log = " ".join(cluster.log("lonely").split())  # rich wraps long lines in its message column
+    assert "a follower rank is gone or stuck (the island's process group failed: Connection" in log, log
+    assert "island crashed" not in log and "Traceback" not in log, log
+    assert all(row.status == "released" for row in leases(engine)), leases(engine)

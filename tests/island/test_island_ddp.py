@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from coordinator.schemas import LeaseModule, LeasePublic, LeaseShard
-from island.distributed import Follower, Leader, close_group, exit_rank, free_port
+from island.distributed import Follower, Leader, close_group, exit_rank, free_port, group_failure
 from island.inner import Ranks, inner_phase
 from modules import (
     InnerConfig,
@@ -157,3 +157,14 @@ def test_batch_not_divisible_by_ranks_is_refused() -> None:
     with pytest.raises(ValueError, match="not divisible"):
         Ranks(rank=0, world_size=3).rows(4)
     assert Ranks(rank=1, world_size=2).rows(4) == slice(2, 4)
+
+
+def test_group_failure_names_a_failed_collective_in_one_line_and_nothing_else() -> None:
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer\n"
+        "[127.0.0.1]:23220. This is typically caused by a remote worker crashing. GLHF!"
+    )
+    assert group_failure(gloo) == "Connection closed by peer [127.0.0.1]:23220"
+    assert group_failure(dist.DistBackendError("NCCL communicator was aborted")) == ("NCCL communicator was aborted")
+    assert group_failure(RuntimeError("shape mismatch")) is None
+    assert group_failure(ValueError("gloo")) is None
