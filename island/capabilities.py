@@ -28,12 +28,15 @@ PROBE_MAX_STEPS = 20
 
 
 def resolve_device(name: str) -> torch.device:
-    """The torch device for `--device`: "auto" is cuda when available, else cpu; cuda without CUDA is an error."""
+    """The torch device for `--device`: "auto" is cuda when available, else cpu; cuda without CUDA, or cuda:N
+    beyond the machine's GPUs, is an error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise IslandError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= (count := torch.cuda.device_count()):
+        raise IslandError(f"device {name!r} requested but this machine has {count} GPU(s): cuda:0..cuda:{count - 1}")
     return device
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from island.capabilities import capabilities
+from island.capabilities import capabilities, resolve_device
+from island.errors import IslandError
 from island.inner import inner_phase
 from modules import InnerConfig, ModelConfig, batches_from_tokens, build_path, flavour, init_state, make_optimizer
 from modules.outer import pseudo_gradient
@@ -35,6 +36,13 @@ def test_capabilities_report_the_gpu_memory_and_a_bf16_probe() -> None:
     assert caps.device.startswith("cuda")
     assert caps.memory_bytes == torch.cuda.get_device_properties(CUDA).total_memory
     assert caps.tokens_per_s is not None and caps.tokens_per_s > 0
+
+
+def test_a_gpu_index_beyond_the_machines_gpus_is_refused_by_name() -> None:
+    count = torch.cuda.device_count()
+    assert resolve_device(f"cuda:{count - 1}") == torch.device("cuda", count - 1)
+    with pytest.raises(IslandError, match=f"this machine has {count} GPU"):
+        resolve_device(f"cuda:{count}")
 
 
 def test_the_inner_phase_on_cuda_runs_the_forward_in_bf16_and_keeps_fp32_weights_grads_and_state() -> None:
