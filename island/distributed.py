@@ -301,10 +301,13 @@ def follower_main(device_name: str) -> int:
     if parent:
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
     ranks = ranks_from_env()
-    device = rank_device(resolve_device(device_name))
-    init_group(ranks, device)
     try:
+        device = rank_device(resolve_device(device_name))
+        init_group(ranks, device)
         return Follower(ranks, device).run()
+    except IslandError as exc:  # e.g. no GPU of its own for this local rank
+        log.error("rank %d: %s", ranks.rank, exc)
+        return 1
     except Exception as exc:
         failed = group_failure(exc)
         if failed is None:
