@@ -272,15 +272,16 @@ def test_sigterm_under_torchrun_stops_both_ranks_together_and_releases_the_lease
     assert "Connection reset" not in log and "RuntimeError" not in log, log
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc: no ps needed)."""
+def _children(pid: int, running: str) -> list[int]:
+    """Processes whose parent is `pid` and whose command line holds `running` (from /proc: no ps needed)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and running in cmdline:
             found.append(int(stat.parent.name))
     return found
 
@@ -295,7 +296,7 @@ def test_a_follower_that_dies_stops_the_island_with_one_line_and_no_lease_held(
     wait_for(
         "lonely joined", lambda: "joined" in cluster.log("lonely"), timeout_s=60, cluster=cluster, logs=("lonely",)
     )
-    (follower,) = _children(island.pid)
+    (follower,) = _children(island.pid, "island.follower")
     os.kill(follower, signal.SIGKILL)
     with cluster.admin() as client:
         create_run(client, {**ONE_PATH, "name": "lonely", "inner": {**ONE_PATH["inner"], "batch_size": 4}})
