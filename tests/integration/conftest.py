@@ -25,6 +25,8 @@ from tests.conftest import ADMIN, JOIN
 
 ISLAND_DEVICE = os.environ.get("DIPACO_TEST_ISLAND_DEVICE", "cpu")
 """`--device` of the islands these tests start: cpu here and in CI; bench/gpu_check.sh sets cuda on a GPU machine."""
+TORCHRUN_2 = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python")
+"""`Cluster.start_island(..., wrap=TORCHRUN_2)`: the island as two ranks under torchrun (the Kubernetes GPU launch)."""
 
 
 @dataclass

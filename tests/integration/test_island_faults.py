@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,14 @@ from sqlalchemy import Engine, select
 
 from coordinator.db import make_engine
 from coordinator.models import Island, Lease
-from tests.integration.conftest import ISLAND_DB_PARAMS, Cluster, create_run, island_database_url, wait_finished
+from tests.integration.conftest import (
+    ISLAND_DB_PARAMS,
+    TORCHRUN_2,
+    Cluster,
+    create_run,
+    island_database_url,
+    wait_finished,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -249,7 +255,6 @@ def test_sigterm_under_torchrun_stops_both_ranks_together_and_releases_the_lease
     follower keeps following for `FOLLOWER_TERM_GRACE_S`, both ranks stop at one step, rank 0 releases the lease
     and sends `stop`."""
     cluster.start_coordinator()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python"]
     with cluster.admin() as client:
         spec = {
             **ONE_PATH,
@@ -258,7 +263,7 @@ def test_sigterm_under_torchrun_stops_both_ranks_together_and_releases_the_lease
             "inner": {**ONE_PATH["inner"], "batch_size": 4},
         }
         create_run(client, spec)
-        quitter = start_stalled(cluster, monkeypatch, "quitter", "0:1:600", wrap=torchrun)
+        quitter = start_stalled(cluster, monkeypatch, "quitter", "0:1:600", wrap=TORCHRUN_2)
         wait_for(
             "quitter holds a lease", stalling(cluster, "quitter"), timeout_s=60, cluster=cluster, logs=("quitter",)
         )
@@ -303,6 +308,7 @@ def test_a_follower_that_dies_stops_the_island_with_one_line_and_no_lease_held(
         assert island.wait(timeout=60) == 1, cluster.log("lonely")
 
     log = " ".join(cluster.log("lonely").split())  # rich wraps long lines in its message column
-    assert "a follower rank is gone or stuck (the island's process group failed: Connection" in log, log
+    # gloo says "Connection closed by peer" or "Read error ...: Connection reset by peer", by timing
+    assert "a follower rank is gone or stuck (the island's process group failed:" in log and "by peer" in log, log
     assert "island crashed" not in log and "Traceback" not in log, log
     assert all(row.status == "released" for row in leases(engine)), leases(engine)

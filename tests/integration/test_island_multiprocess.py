@@ -5,12 +5,18 @@ equality with one process: tests/island/test_island_ddp.py.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import ISLAND_DB_PARAMS, Cluster, create_run, island_database_url, wait_finished
+from tests.integration.conftest import (
+    ISLAND_DB_PARAMS,
+    TORCHRUN_2,
+    Cluster,
+    create_run,
+    island_database_url,
+    wait_finished,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -52,10 +58,9 @@ def test_torchrun_launches_a_two_rank_island_that_trains_a_run_to_the_end(cluste
     """The launch the Kubernetes GPU overlay uses (`torchrun --nproc-per-node N -m dipaco island join`): torchrun's
     own rendezvous, RANK / WORLD_SIZE / MASTER_* from it, rank 1 a follower; here with gloo on the CPU."""
     cluster.start_coordinator()
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python"]
     with cluster.admin() as client:
         run_id = create_run(client, SPEC)
-        island = cluster.start_island("torchrun", "--no-probe", wrap=torchrun)
+        island = cluster.start_island("torchrun", "--no-probe", wrap=TORCHRUN_2)
         wait_finished(cluster, client, run_id, timeout_s=90)
         assert island.wait(timeout=60) == 0, cluster.log("torchrun")
         contributions = client.get("/v1/contributions", params={"run_id": run_id}).json()
