@@ -16,6 +16,9 @@ from sqlalchemy.orm import Session, sessionmaker
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 _READING: ContextVar[bool] = ContextVar("dipaco_reading", default=False)
+_FLUSH_WAIT: ContextVar[bool] = ContextVar("dipaco_flush_wait", default=True)
+_SQLITE_SYNC = "dipaco_synchronous"
+"""Key in a SQLite connection's `info`: the `PRAGMA synchronous` level it runs at now."""
 
 
 @contextmanager
@@ -45,6 +48,29 @@ def start_writing(session: Session) -> None:
         session.rollback()
 
 
+@contextmanager
+def without_flush_wait(session: Session) -> Iterator[None]:
+    """The session's writes inside commit without waiting for the database's log to reach the disk, for writes
+    that may be lost in a power cut or an OS crash (never in a crash of the coordinator alone): a heartbeat, an
+    apply executor's claim of a step. A commit that must survive (an upload's, a step's result) waits for the
+    log as always, and with it for every commit before it: the log is written in order, so none of these is
+    lost unless the later durable ones are too.
+
+    PostgreSQL: `SET LOCAL synchronous_commit TO OFF`, for the session's current or next transaction only.
+    SQLite (WAL): the transactions that begin inside run at `PRAGMA synchronous=NORMAL` (the commit appends to
+    the WAL; the next checkpoint or FULL commit syncs it); a transaction already open stays as it began (the
+    level cannot change inside one). Every other transaction runs at FULL (`make_engine`)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
+        yield
+        return
+    token = _FLUSH_WAIT.set(False)
+    try:
+        yield
+    finally:
+        _FLUSH_WAIT.reset(token)
+
+
 def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Engine:
     """pool_size + max_overflow should cover the server's worker threads (40 for FastAPI's default
     threadpool), so requests queue for a thread, not for a connection."""
@@ -59,19 +85,25 @@ def make_engine(url: str, *, pool_size: int = 20, max_overflow: int = 20) -> Eng
         )
 
         @event.listens_for(engine, "connect")
-        def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+        def _sqlite_connect(dbapi_conn: Any, record: Any) -> None:
             # Let SQLAlchemy's "begin" below open transactions; WAL lets readers run beside one writer.
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA busy_timeout=60000")
+            cur.execute("PRAGMA synchronous=FULL")  # every commit durable, except inside `without_flush_wait`
             cur.close()
+            record.info[_SQLITE_SYNC] = "FULL"
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn: Any) -> None:
             # IMMEDIATE takes the write lock up front, so check-then-write sequences (pick a free path, close a
             # round) are serialised exactly as PostgreSQL's row locks serialise them; readers need not (`reading`).
+            level = "FULL" if _FLUSH_WAIT.get() else "NORMAL"
+            if conn.info.get(_SQLITE_SYNC) != level:  # outside any transaction: the only place it may change
+                conn.exec_driver_sql(f"PRAGMA synchronous={level}")
+                conn.info[_SQLITE_SYNC] = level
             conn.exec_driver_sql("BEGIN" if _READING.get() else "BEGIN IMMEDIATE")
 
         return engine

@@ -33,7 +33,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from coordinator.blobstore import BlobStore
-from coordinator.db import reading, start_writing
+from coordinator.db import reading, start_writing, without_flush_wait
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleStep, ModuleVersion, Run
 from coordinator.services.leases import Affinity, ReadyOffer
@@ -97,7 +97,8 @@ def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = C
     """Claim the oldest step that is pending, or running under a claim older than `claim_s`, and whose module has
     no earlier step left; commit. A reader looks first (`db.reading`): an executor that finds nothing, as after
     its last step and at every poll, takes no lock (on SQLite, the write lock the lease requests its step just
-    woke are queueing for)."""
+    woke are queueing for). The claim's commit does not wait for the disk (`db.without_flush_wait`): lost in a
+    power cut, the step is pending again, and the step's own commit, which waits, makes the claim durable too."""
     stale = now - timedelta(seconds=claim_s)
     earlier = aliased(ModuleStep)
     before_it = (
@@ -119,20 +120,23 @@ def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = C
             session.rollback()
             return None
         start_writing(session)
-        candidates = claimable.order_by(ModuleStep.id).limit(8).with_for_update(skip_locked=True)
-        for step_id, status in session.execute(candidates).all():
-            taken = session.execute(
-                update(ModuleStep)
-                .where(ModuleStep.id == step_id, ModuleStep.status == status)
-                .values(status=StepStatus.RUNNING, claimed_by=name, claimed_at=now, attempts=ModuleStep.attempts + 1)
-                .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id),
-                execution_options={"synchronize_session": False},
-            ).first()
-            if taken is not None:
-                session.commit()
-                return _Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2])
-        session.rollback()
-        return None
+        with without_flush_wait(session):  # a claim lost in a power cut is pending again: the step is redone
+            candidates = claimable.order_by(ModuleStep.id).limit(8).with_for_update(skip_locked=True)
+            for step_id, status in session.execute(candidates).all():
+                taken = session.execute(
+                    update(ModuleStep)
+                    .where(ModuleStep.id == step_id, ModuleStep.status == status)
+                    .values(
+                        status=StepStatus.RUNNING, claimed_by=name, claimed_at=now, attempts=ModuleStep.attempts + 1
+                    )
+                    .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id),
+                    execution_options={"synchronize_session": False},
+                ).first()
+                if taken is not None:
+                    session.commit()
+                    return _Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2])
+            session.rollback()
+            return None
 
 
 def release_dead_claims(session: Session) -> int:
@@ -189,6 +193,8 @@ class _Part:
     """Refused before the round (a direct upload that failed verification): stays out."""
     scale: float = 1.0
     note: str | None = None
+    stored: tuple[float, str | None] = (1.0, None)
+    """(scale, note) as read: the step's commit writes only the parts whose outcome differs (clipped, refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +255,7 @@ def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
             staleness=row.staleness,
             refused=row.scale == 0 and (row.note or "").startswith(REFUSED),
             note=row.note,
+            stored=(row.scale, row.note),
         )
         for row, tokens in session.execute(
             select(ContributionGrad, Contribution.tokens)
@@ -369,6 +376,8 @@ def _commit(
             )
         )
     for part in parts:
+        if (part.scale, part.note) == part.stored:
+            continue  # as sent (most parts), or refused at verification: the row says so already
         session.execute(
             update(ContributionGrad)
             .where(ContributionGrad.contribution_id == part.contribution_id, ContributionGrad.module_id == module.id)
