@@ -25,7 +25,7 @@ from coordinator import db
 from coordinator.api import routes
 from coordinator.api.deps import AppState
 from coordinator.api.guard import RequestGuard
-from coordinator.api.spool import process_spool
+from coordinator.api.spool import SpoolError, process_spool
 from coordinator.auth import IslandTokenCache, ensure_private_dir, load_service_tokens
 from coordinator.blobstore import BlobError, S3BlobStore, open_blob_store
 from coordinator.errors import ServiceError
@@ -216,6 +216,11 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
     async def _blob_error(_: Request, exc: BlobError) -> JSONResponse:
         log.error("blob store: %s", exc)
         return JSONResponse(status_code=500, content={"detail": f"blob store: {exc}"})
+
+    @app.exception_handler(SpoolError)
+    async def _spool_error(_: Request, exc: SpoolError) -> JSONResponse:
+        log.error("%s", exc)
+        return JSONResponse(status_code=500, content={"detail": f"the coordinator could not store the body: {exc}"})
 
     for module in (routes.health, routes.runs, routes.registry, routes.islands, routes.leases):
         app.include_router(module.router)

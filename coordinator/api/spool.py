@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 
 from coordinator.errors import PayloadTooLarge
 
@@ -43,8 +44,9 @@ SPOOL_IN_FLIGHT = 8
 """Buffers handed to the spool thread and not yet written: one upload holds at most ~8 MiB of memory."""
 SPOOL_FLUSH_EVERY = 32 << 20
 """After every this many bytes the spool thread starts writing the file back to disk on a helper thread, without
-waiting for it, so the fsync that makes an accepted upload durable (`BlobStore.put_file`) finds little left to
-do: ~50 ms less per 90 MB upload here (docs/LOG.md, 2026-11-30 upload fast path)."""
+waiting for it, so the fsync that ends the spool (the body durable before the upload takes its locks;
+`BlobStore.put_file` then finds nothing left to flush) has little left to do: ~50 ms less per 90 MB upload here
+(docs/LOG.md, 2026-11-30 upload fast path)."""
 
 
 ALIGN = 4096
@@ -53,6 +55,11 @@ seen here)."""
 _direct_broken = False
 """Set when a direct write failed with EINVAL although the open succeeded: this process spools through the page
 cache from then on."""
+
+
+class SpoolError(OSError):
+    """Writing or syncing a request body to the spool failed (disk full, an I/O error): the request fails with a
+    500 (the island retries it) and nothing of it stays."""
 
 
 class _DirectWriter:
@@ -197,7 +204,11 @@ async def spool_body(
                 pending, pending_size = [], 0
         rest = b"".join(pending)
         if writer is None:  # under one buffer: well under a millisecond of work, no thread needed
-            _write_all(fd, rest)
+            try:  # durable before the upload takes its locks; synced on a worker thread: it takes milliseconds
+                _write_all(fd, rest)
+                await run_in_threadpool(os.fsync, fd)
+            except OSError as exc:
+                raise SpoolError(f"spooling the request body to {name} failed: {exc!r}") from exc
             fd_open = False
             os.close(fd)
             sha256 = hashlib.sha256(rest).hexdigest() if digest else None
@@ -311,6 +322,11 @@ class _SpoolThread:
                 flusher.join()
             # A flush error must fail the upload: a later fsync on another descriptor may not report it again.
             self._error = self._error or self._flush_error
+            if ended and self._error is None and not self._aborted.is_set():
+                try:  # durable here, before the upload takes its locks: `put_file`'s fsync then has nothing to do
+                    os.fsync(self._fd)
+                except OSError as exc:
+                    self._error = exc
             if not ended and self._error is None:
                 self._error = RuntimeError("the spool thread stopped early")
             os.close(self._fd)
@@ -330,8 +346,8 @@ class _SpoolThread:
         else:
             self._done.set_exception(self._failed(error))
 
-    def _failed(self, error: Exception) -> OSError:
-        failed = OSError(f"spooling the request body to {self._path} failed: {error!r}")
+    def _failed(self, error: Exception) -> SpoolError:
+        failed = SpoolError(f"spooling the request body to {self._path} failed: {error!r}")
         failed.__cause__ = error
         return failed
 

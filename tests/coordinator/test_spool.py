@@ -202,6 +202,49 @@ def test_write_error_on_the_spool_thread_fails_the_request_and_leaves_nothing(
         signal.signal(signal.SIGXFSZ, previous)
 
 
+def _spool_fsyncs(monkeypatch: pytest.MonkeyPatch, settings: Settings, *, fail: bool) -> list[str]:
+    """Record (or fail with EIO) the fsyncs of files under the spool directory; others run as they are."""
+    real, spool, seen = os.fsync, str(settings.data_dir / "spool"), []
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(spool):
+            seen.append(path)
+            if fail:
+                raise OSError(5, "Input/output error (injected)")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["synced", "eio"])
+@pytest.mark.parametrize("threaded", [True, False], ids=["spool-thread", "in-place"])
+def test_the_spool_makes_the_body_durable_and_a_failed_fsync_fails_the_upload(
+    settings: Settings, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, fail: bool, threaded: bool
+) -> None:
+    # before the upload takes its locks (`put_file`'s fsync then has nothing left to flush); a body under one
+    # buffer is written in place and synced on a worker thread
+    if not threaded:
+        monkeypatch.setattr(spooling, "SPOOL_BUFFER", 8 << 20)
+    with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:
+        lease, h = running_lease(http)
+        payload = outer_gradients(lease)
+        synced = _spool_fsyncs(monkeypatch, settings, fail=fail)
+        r = http.post(
+            f"/v1/leases/{lease['lease_id']}/outer-gradients",
+            content=payload,
+            headers={**upload_headers(lease, h), "Content-Length": str(len(payload))},
+        )
+        assert len(synced) >= 1  # the spool file
+        assert r.status_code == (500 if fail else 200), r.text
+        if fail:
+            assert "could not store the body" in r.json()["detail"] and "Input/output error" in r.json()["detail"]
+        contributions = http.get("/v1/contributions", headers=A).json()["data"]
+        assert len(contributions) == (0 if fail else 1)
+    assert_nothing_left(settings)
+
+
 @pytest.mark.parametrize("sizes", [[1], [4096], [4097], [spooling.SPOOL_BUFFER] * 5, [1_000_003, 77, 3 << 20, 4095]])
 def test_the_direct_writer_stores_every_byte_and_cuts_the_file_to_its_size(tmp_path: Path, sizes: list[int]) -> None:
     path = tmp_path / "body.upload"
