@@ -385,11 +385,17 @@ class OfferPending(Conflict):
 
 def _check_capacity(session: Session, island_id: int, *, now: datetime, max_leases: int) -> None:
     """Refuse (409, after a rollback) a lease to an island that already holds as many as it may (its claimed
-    `max_leases` and the count of its pending leases in one statement; their ids only for the refusal).
+    `max_leases` and the count of its pending leases in one statement; their ids only for the refusal), or that
+    is no longer active (it left or was revoked while its request was held waiting for work).
     `OfferPending` when one of them is an offer it has not taken yet."""
     pending = [Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now]
     count = select(func.count(Lease.id)).where(*pending).scalar_subquery()
-    capabilities, holding = session.execute(select(Island.capabilities, count).where(Island.id == island_id)).one()
+    capabilities, status, holding = session.execute(
+        select(Island.capabilities, Island.status, count).where(Island.id == island_id)
+    ).one()
+    if status != IslandStatus.ACTIVE:
+        session.rollback()
+        raise Conflict(f"island {island_id} has status {status}: it gets no lease (join again for a new island)")
     claimed = capabilities.get("max_leases", 1) if isinstance(capabilities, dict) else 1
     allowed = max(1, min(max_leases, claimed if isinstance(claimed, int) else 1))
     if holding >= allowed:

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from coordinator.errors import Conflict
 from coordinator.models import Lease
 from coordinator.services import leases
 from modules import OuterConfig, decode, nesterov_step
@@ -526,3 +527,19 @@ def test_replies_carry_the_coordinators_own_time_without_the_hold(client: TestCl
     timings = idle.headers.get_list("Server-Timing")
     assert len(timings) == 1  # the route's own (hold excluded); the middleware leaves it alone
     assert float(timings[0].partition("dur=")[2]) < 450
+
+
+def test_an_island_that_left_while_its_request_waited_gets_no_lease(client: TestClient) -> None:
+    """A lease request held waiting for work when its island leaves (another thread of the island, an admin's
+    revocation) finds a free path later: it is refused, and nothing is issued."""
+    create_running_run(client)
+    island_id, _ = join(client, "gone")
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        rounds = leases.open_rounds(session)  # the request's look, before the island left
+    assert client.delete(f"/v1/islands/{island_id}", headers=A).status_code == 204  # revoked by an admin
+    with pytest.raises(Conflict, match=f"island {island_id} has status revoked: it gets no lease"):
+        with state.sessions() as session:
+            leases.acquire_lease(session, island_id, rounds, now=state.clock())
+    with state.sessions() as session:
+        assert session.scalars(select(Lease).where(Lease.island_id == island_id)).all() == []
