@@ -556,3 +556,28 @@ def test_the_island_scores_each_lease_s_start_weights_on_the_held_out_slice(coor
         assert got == pytest.approx(heldout_loss(start, heldout, max_tokens=48), rel=1e-6)
     assert recorded[0] != recorded[1]  # round 1 starts from the weights round 0's outer step wrote
     assert [r.heldout_loss for r in island.results] == recorded
+
+
+def test_the_next_lease_is_asked_for_while_the_accepted_state_is_kept_but_not_after_the_last(
+    coordinator: Coordinator,
+) -> None:
+    """An accepted upload sends the next lease request at once (`Island._ask_early`), before the inner state is
+    copied and kept; with `--max-rounds` reached nothing more is asked, so no lease is left to give back."""
+    coordinator.create_run(layout=TWO_PATHS)
+    island, transport = coordinator.island(max_rounds=2)
+    seen: list[int] = []
+    keep = island._inner_states.accept
+
+    def accept(key: Any, lease_id: int, state: dict[str, Any]) -> None:
+        if not seen:
+            transport.wait_for("lease", 2)  # answered while this first state is still being kept
+        seen.append(transport.count("lease"))
+        keep(key, lease_id, state)
+
+    island._inner_states.accept = accept  # type: ignore[method-assign]
+    assert island.run() == EXIT_OK
+    assert [r.status for r in island.results] == ["uploaded", "uploaded"]
+    assert seen[0] >= 2
+    endpoints = [e.endpoint for e in transport.exchanges if e.endpoint in ("lease", "upload", "release")]
+    assert endpoints[-1] == "upload"  # nothing asked after the last lease, nothing to release
+    assert transport.to("release") == []
