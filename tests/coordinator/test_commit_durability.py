@@ -102,3 +102,12 @@ def test_a_step_claim_commits_without_a_flush_wait_and_the_step_itself_waits(
             assert len(session.scalars(select(ModuleVersion).where(ModuleVersion.version == 1)).all()) == 6
     finally:
         engine.dispose()
+
+
+def test_a_heartbeat_over_http_commits_without_a_flush_wait(client: TestClient) -> None:
+    island_id, h = join(client, "beat-http")
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    seen = Durability(state.sessions.kw["bind"])
+    r = client.post(f"/v1/islands/{island_id}/heartbeat", headers=h)
+    assert r.status_code == 200, r.text
+    assert seen.waits("UPDATE islands SET last_heartbeat") == [False]
