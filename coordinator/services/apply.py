@@ -238,6 +238,7 @@ def apply_step(
             momentum_hash=blobs.put_tensors(new_momentum) if new_momentum is not None else None,
             weight_norm=weight_norm(new_params),  # the tensors in hand: nothing more is read
         )
+    faults.point("apply.mid_step")
     return _commit(session, claimed, name, base_version, parts, new_version, clock=clock, faults=faults,
                    affinity=affinity, started=started)  # fmt: skip
 

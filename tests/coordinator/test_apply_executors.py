@@ -10,24 +10,21 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from coordinator.models import Lease, ModuleStep, ModuleVersion
+from coordinator.models import Lease, ModuleStep
 from coordinator.services import leases
 from coordinator.services.apply import ApplyExecutor, apply_step, claim_step, release_dead_claims
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
-
-
-def _closed_round(client: TestClient) -> dict[str, Any]:
-    run = create_running_run(client, name="steps")
-    for p in range(run["num_paths"]):
-        island_id, h = join(client, f"island-{p}")
-        body = lease(client, island_id, h)
-        assert body is not None
-        assert upload(client, body, h, train_lease(client, body, h)).status_code == 200
-    rounds = client.get(f"/v1/runs/{run['id']}/rounds", headers=A).json()["data"]
-    assert rounds[0]["status"] == "closing"  # nobody applies it here
-    return run
+from tests.coordinator.helpers import (
+    A,
+    closed_round,
+    create_running_run,
+    join,
+    lease,
+    module_versions,
+    train_lease,
+    upload,
+)
 
 
 def _executor(client: TestClient, name: str, clock: FakeClock, **kwargs: Any) -> ApplyExecutor:
@@ -35,33 +32,23 @@ def _executor(client: TestClient, name: str, clock: FakeClock, **kwargs: Any) ->
     return ApplyExecutor(sessions=state.sessions, blobs=state.blobs, clock=clock, name=name, **kwargs)
 
 
-def _versions(client: TestClient) -> dict[int, list[int]]:
-    state = client.app.state.dipaco  # type: ignore[attr-defined]
-    with state.sessions() as session:
-        rows = session.execute(select(ModuleVersion.module_id, ModuleVersion.version)).all()
-    out: dict[int, list[int]] = {}
-    for module_id, version in rows:
-        out.setdefault(module_id, []).append(version)
-    return {k: sorted(v) for k, v in out.items()}
-
-
 def test_a_closed_round_waits_for_an_executor_and_is_applied_with_its_last_step(
     no_executors: TestClient, clock: FakeClock
 ) -> None:
     client = no_executors
-    run = _closed_round(client)
+    run = closed_round(client)
     island_id, h = join(client, "waiting")
     assert lease(client, island_id, h) is None  # closing: no work until the round is applied
     executor = _executor(client, "test-executor-0", clock)
     assert executor.work() == 6  # embed, 2 + 2 routed, head
     assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
-    assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
     assert executor.work() == 0  # nothing left: each step once
 
 
 def test_a_step_claimed_by_a_process_that_died_is_taken_over(no_executors: TestClient, clock: FakeClock) -> None:
     client = no_executors
-    _closed_round(client)
+    closed_round(client)
     state = client.app.state.dipaco  # type: ignore[attr-defined]
     ghost = f"{socket.gethostname()}-999999999-0"  # a process of this host that is gone
     with state.sessions() as session:
@@ -71,14 +58,14 @@ def test_a_step_claimed_by_a_process_that_died_is_taken_over(no_executors: TestC
         step = session.get_one(ModuleStep, claimed.step_id)
         assert (step.status, step.claimed_by, step.attempts) == (StepStatus.PENDING, None, 1)
     assert _executor(client, "test-executor-0", clock).work() == 6
-    assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
 
 def test_a_stale_claim_from_another_host_is_taken_over_and_its_late_commit_refused(
     no_executors: TestClient, clock: FakeClock
 ) -> None:
     client = no_executors
-    run = _closed_round(client)
+    run = closed_round(client)
     state = client.app.state.dipaco  # type: ignore[attr-defined]
     with state.sessions() as session:
         slow = claim_step(session, "elsewhere-1234-0", now=clock())  # alive as far as we can tell
@@ -93,12 +80,12 @@ def test_a_stale_claim_from_another_host_is_taken_over_and_its_late_commit_refus
     with state.sessions() as session:
         late = apply_step(session, state.blobs, slow, "elsewhere-1234-0", clock=clock)
     assert late is None  # the slow executor's result is dropped
-    assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
 
 def test_executors_split_a_round_and_each_step_commits_once(no_executors: TestClient, clock: FakeClock) -> None:
     client = no_executors
-    run = _closed_round(client)
+    run = closed_round(client)
     executors = [_executor(client, f"test-executor-{i}", clock) for i in range(3)]
     threads = [threading.Thread(target=e.work) for e in executors]
     for t in threads:
@@ -107,7 +94,7 @@ def test_executors_split_a_round_and_each_step_commits_once(no_executors: TestCl
         t.join(timeout=60)
     assert sum(e.steps for e in executors) == 6
     assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
-    assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
 
 def test_offers_an_external_executor_made_are_adopted_by_the_sweep_and_taken_up_from_memory(
