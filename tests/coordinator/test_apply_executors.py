@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from coordinator.faults import FaultInjector
 from coordinator.models import Lease, ModuleStep
 from coordinator.services import leases
-from coordinator.services.apply import ApplyExecutor, apply_step, claim_step, release_dead_claims
+from coordinator.services.apply import ApplyExecutor, StepDone, apply_step, claim_step, release_dead_claims
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
 from tests.coordinator.helpers import (
@@ -83,16 +89,69 @@ def test_a_stale_claim_from_another_host_is_taken_over_and_its_late_commit_refus
     assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
 
-def test_executors_split_a_round_and_each_step_commits_once(no_executors: TestClient, clock: FakeClock) -> None:
+@dataclass(frozen=True, slots=True)
+class HeldAt(FaultInjector):
+    """An executor that reaches `pause_at` waits there until `release` is set; `reached` says it got there."""
+
+    reached: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+
+    def point(self, name: str) -> None:
+        if name == self.pause_at:
+            self.reached.set()
+            assert self.release.wait(30), f"held at {name} for 30 s"
+
+
+@pytest.fixture
+def held_at() -> Iterator[Callable[[str], HeldAt]]:
+    """`held_at(point)`: a fault that holds its executor at `point`; every hold is released at teardown."""
+    holds: list[HeldAt] = []
+
+    def hold(point: str) -> HeldAt:
+        holds.append(HeldAt(pause_at=point, marker_dir=Path(".")))
+        return holds[-1]
+
+    yield hold
+    for h in holds:
+        h.release.set()
+
+
+def test_executors_working_at_once_each_commit_steps_and_none_twice(
+    no_executors: TestClient, clock: FakeClock, held_at: Callable[[str], HeldAt]
+) -> None:
+    """Each executor is held in the middle of its first step (its claim taken, its result not committed) until
+    the next one has claimed a step of its own: three steps are in flight at once, then all go on."""
     client = no_executors
     run = closed_round(client)
-    executors = [_executor(client, f"test-executor-{i}", clock) for i in range(3)]
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    holds = [held_at("apply.mid_step") for _ in range(3)]
+    committed: list[StepDone] = []
+    executors = [
+        _executor(client, f"test-executor-{i}", clock, faults=hold, on_step=committed.append)
+        for i, hold in enumerate(holds)
+    ]
     threads = [threading.Thread(target=e.work) for e in executors]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert sum(e.steps for e in executors) == 6
+    for thread, hold in zip(threads, holds, strict=True):
+        thread.start()
+        assert hold.reached.wait(30)  # the fault fired: this executor holds a step while the earlier ones do
+    with state.sessions() as session:
+        in_flight = session.execute(
+            select(ModuleStep.claimed_by, ModuleStep.module_id).where(ModuleStep.status == StepStatus.RUNNING)
+        ).all()
+    assert sorted(name for name, _ in in_flight) == [e.name for e in executors]
+    assert len({module for _, module in in_flight}) == 3  # three different modules
+    for hold in holds:
+        hold.release.set()
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert all(e.steps >= 1 for e in executors) and sum(e.steps for e in executors) == 6
+    assert sorted(done.module_id for done in committed) == list(range(1, 7))  # each module stepped once
+    assert [done.round_applied for done in committed].count(True) == 1
+    with state.sessions() as session:
+        steps = session.execute(select(ModuleStep.status, ModuleStep.claimed_by, ModuleStep.attempts)).all()
+    assert {(status, attempts) for status, _, attempts in steps} == {(StepStatus.DONE, 1)}  # each claimed once
+    assert Counter(name for _, name, _ in steps) == {e.name: e.steps for e in executors}
     assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
     assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
