@@ -156,6 +156,35 @@ def test_executors_working_at_once_each_commit_steps_and_none_twice(
     assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
 
+def test_a_stopped_executor_commits_the_step_in_hand_and_claims_no_other(
+    no_executors: TestClient, clock: FakeClock, held_at: Callable[[str], HeldAt]
+) -> None:
+    """SIGTERM (`apply-worker`) or the app's shutdown sets `stop` while an executor is inside a step: it commits
+    that step and claims no other, so a process about to exit leaves no claim behind it (on another host, only
+    `claim_s` would free one)."""
+    client = no_executors
+    run = closed_round(client)
+    hold = held_at("apply.mid_step")
+    executor = _executor(client, "stopping", clock, faults=hold)
+    stop, wake = threading.Event(), threading.Event()
+    thread = threading.Thread(target=executor.serve, args=(stop, wake), kwargs={"poll_s": 0.05})
+    thread.start()
+    assert hold.reached.wait(30)  # the fault fired: inside its first step
+    stop.set()
+    wake.set()
+    hold.release.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert executor.steps == 1
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        steps = session.execute(select(ModuleStep.status, ModuleStep.claimed_by)).all()
+    assert Counter(map(tuple, steps)) == {(StepStatus.DONE, "stopping"): 1, (StepStatus.PENDING, None): 5}
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 0
+    assert _executor(client, "next", clock).work() == 5
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
+
+
 def test_offers_an_external_executor_made_are_adopted_by_the_sweep_and_taken_up_from_memory(
     no_executors: TestClient, clock: FakeClock
 ) -> None:
