@@ -193,6 +193,7 @@ def apply_worker(
     from coordinator import db
     from coordinator.app import use_torch_threads
     from coordinator.blobstore import open_blob_store
+    from coordinator.faults import FaultInjector
     from coordinator.services.apply import ApplyExecutor, executor_name, release_dead_claims
     from coordinator.services.leases import Affinity
     from coordinator.settings import Settings, redact_url
@@ -212,6 +213,7 @@ def apply_worker(
     sessions = db.make_sessionmaker(engine)
     blobs = open_blob_store(settings.resolved_blob_url, s3_endpoint_url=settings.s3_endpoint_url)
     affinity = Affinity(reserve_s=settings.path_reservation_s, live_s=3 * settings.heartbeat_interval_s)
+    faults = FaultInjector(pause_at=settings.fault_pause_at, marker_dir=settings.data_dir.resolve())  # crash tests
     stop, wake = threading.Event(), threading.Event()
 
     def _stop(*_: object) -> None:
@@ -233,6 +235,7 @@ def apply_worker(
                 blobs=blobs,
                 clock=utcnow,
                 name=executor_name(index),
+                faults=faults,
                 affinity=affinity,
                 claim_s=settings.apply_claim_s,
             ).serve,

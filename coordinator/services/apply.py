@@ -238,6 +238,7 @@ def apply_step(
             momentum_hash=blobs.put_tensors(new_momentum) if new_momentum is not None else None,
             weight_norm=weight_norm(new_params),  # the tensors in hand: nothing more is read
         )
+    faults.point("apply.mid_step")
     return _commit(session, claimed, name, base_version, parts, new_version, clock=clock, faults=faults,
                    affinity=affinity, started=started)  # fmt: skip
 
@@ -449,11 +450,13 @@ class ApplyExecutor:
         self.steps = 0
         """Steps this executor committed."""
 
-    def work(self) -> int:
-        """Apply steps until none can be claimed; returns how many this call committed."""
+    def work(self, stop: threading.Event | None = None) -> int:
+        """Apply steps until none can be claimed, or until `stop` is set (the step in hand is committed first, and
+        no other claimed: a process about to exit leaves no claim for `claim_s` to free); returns how many this
+        call committed."""
         done = 0
         with self._sessions() as session:
-            while True:
+            while stop is None or not stop.is_set():
                 claimed = claim_step(session, self.name, now=self._clock(), claim_s=self._claim_s)
                 if claimed is None:
                     return done
@@ -471,6 +474,7 @@ class ApplyExecutor:
                     self.steps += 1
                     if self._on_step is not None:
                         self._on_step(result)
+        return done
 
     def serve(self, stop: threading.Event, wake: threading.Event, *, poll_s: float) -> None:
         """Work whenever woken (a round closed in this process) or every `poll_s` (one closed elsewhere, a claim
@@ -483,7 +487,7 @@ class ApplyExecutor:
                     with self._sessions() as session:
                         release_dead_claims(session)
                     last_release = time.monotonic()
-                self.work()
+                self.work(stop)
             except Exception:  # keep serving: the step stays claimed and goes back to the pool when stale
                 log.exception("apply executor %s: a step failed", self.name)
             wake.wait(poll_s)

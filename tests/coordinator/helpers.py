@@ -13,8 +13,10 @@ import numpy as np
 import torch
 import uvicorn
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from coordinator.app import create_app
+from coordinator.models import ModuleVersion
 from coordinator.services.apply import ApplyExecutor
 from coordinator.settings import Settings
 from modules import ModelConfig, build_path, decode, encode
@@ -169,3 +171,28 @@ def app_executor(client: TestClient, clock: FakeClock) -> ApplyExecutor:
         name="test-0",
         on_step=lambda done: state.closer.stepped(done, now=clock()),
     )
+
+
+def closed_round(client: TestClient, *, name: str = "steps", **overrides: Any) -> dict[str, Any]:
+    """A run whose round 0 every path has uploaded to, on an app with no executor (`no_executors`): `closing`,
+    its module steps waiting for an apply executor. Returns the run."""
+    run = create_running_run(client, name=name, **overrides)
+    for p in range(run["num_paths"]):
+        island_id, h = join(client, f"island-{p}")
+        body = lease(client, island_id, h)
+        assert body is not None
+        assert upload(client, body, h, train_lease(client, body, h)).status_code == 200
+    rounds = client.get(f"/v1/runs/{run['id']}/rounds", headers=A).json()["data"]
+    assert rounds[0]["status"] == "closing"  # nobody applies it here
+    return run
+
+
+def module_versions(client: TestClient) -> dict[int, list[int]]:
+    """Module id -> the versions in its history (`module_versions` rows)."""
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        rows = session.execute(select(ModuleVersion.module_id, ModuleVersion.version)).all()
+    out: dict[int, list[int]] = {}
+    for module_id, version in rows:
+        out.setdefault(module_id, []).append(version)
+    return {k: sorted(v) for k, v in out.items()}

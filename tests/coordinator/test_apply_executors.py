@@ -5,29 +5,32 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from coordinator.models import Lease, ModuleStep, ModuleVersion
+from coordinator.faults import FaultInjector
+from coordinator.models import Lease, ModuleStep
 from coordinator.services import leases
-from coordinator.services.apply import ApplyExecutor, apply_step, claim_step, release_dead_claims
+from coordinator.services.apply import ApplyExecutor, StepDone, apply_step, claim_step, release_dead_claims
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import A, create_running_run, join, lease, train_lease, upload
-
-
-def _closed_round(client: TestClient) -> dict[str, Any]:
-    run = create_running_run(client, name="steps")
-    for p in range(run["num_paths"]):
-        island_id, h = join(client, f"island-{p}")
-        body = lease(client, island_id, h)
-        assert body is not None
-        assert upload(client, body, h, train_lease(client, body, h)).status_code == 200
-    rounds = client.get(f"/v1/runs/{run['id']}/rounds", headers=A).json()["data"]
-    assert rounds[0]["status"] == "closing"  # nobody applies it here
-    return run
+from tests.coordinator.helpers import (
+    A,
+    closed_round,
+    create_running_run,
+    join,
+    lease,
+    module_versions,
+    train_lease,
+    upload,
+)
 
 
 def _executor(client: TestClient, name: str, clock: FakeClock, **kwargs: Any) -> ApplyExecutor:
@@ -35,33 +38,23 @@ def _executor(client: TestClient, name: str, clock: FakeClock, **kwargs: Any) ->
     return ApplyExecutor(sessions=state.sessions, blobs=state.blobs, clock=clock, name=name, **kwargs)
 
 
-def _versions(client: TestClient) -> dict[int, list[int]]:
-    state = client.app.state.dipaco  # type: ignore[attr-defined]
-    with state.sessions() as session:
-        rows = session.execute(select(ModuleVersion.module_id, ModuleVersion.version)).all()
-    out: dict[int, list[int]] = {}
-    for module_id, version in rows:
-        out.setdefault(module_id, []).append(version)
-    return {k: sorted(v) for k, v in out.items()}
-
-
 def test_a_closed_round_waits_for_an_executor_and_is_applied_with_its_last_step(
     no_executors: TestClient, clock: FakeClock
 ) -> None:
     client = no_executors
-    run = _closed_round(client)
+    run = closed_round(client)
     island_id, h = join(client, "waiting")
     assert lease(client, island_id, h) is None  # closing: no work until the round is applied
     executor = _executor(client, "test-executor-0", clock)
     assert executor.work() == 6  # embed, 2 + 2 routed, head
     assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
-    assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
     assert executor.work() == 0  # nothing left: each step once
 
 
 def test_a_step_claimed_by_a_process_that_died_is_taken_over(no_executors: TestClient, clock: FakeClock) -> None:
     client = no_executors
-    _closed_round(client)
+    closed_round(client)
     state = client.app.state.dipaco  # type: ignore[attr-defined]
     ghost = f"{socket.gethostname()}-999999999-0"  # a process of this host that is gone
     with state.sessions() as session:
@@ -71,14 +64,14 @@ def test_a_step_claimed_by_a_process_that_died_is_taken_over(no_executors: TestC
         step = session.get_one(ModuleStep, claimed.step_id)
         assert (step.status, step.claimed_by, step.attempts) == (StepStatus.PENDING, None, 1)
     assert _executor(client, "test-executor-0", clock).work() == 6
-    assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
 
 def test_a_stale_claim_from_another_host_is_taken_over_and_its_late_commit_refused(
     no_executors: TestClient, clock: FakeClock
 ) -> None:
     client = no_executors
-    run = _closed_round(client)
+    run = closed_round(client)
     state = client.app.state.dipaco  # type: ignore[attr-defined]
     with state.sessions() as session:
         slow = claim_step(session, "elsewhere-1234-0", now=clock())  # alive as far as we can tell
@@ -93,21 +86,103 @@ def test_a_stale_claim_from_another_host_is_taken_over_and_its_late_commit_refus
     with state.sessions() as session:
         late = apply_step(session, state.blobs, slow, "elsewhere-1234-0", clock=clock)
     assert late is None  # the slow executor's result is dropped
-    assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
 
-def test_executors_split_a_round_and_each_step_commits_once(no_executors: TestClient, clock: FakeClock) -> None:
+@dataclass(frozen=True, slots=True)
+class HeldAt(FaultInjector):
+    """An executor that reaches `pause_at` waits there until `release` is set; `reached` says it got there."""
+
+    reached: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+
+    def point(self, name: str) -> None:
+        if name == self.pause_at:
+            self.reached.set()
+            assert self.release.wait(30), f"held at {name} for 30 s"
+
+
+@pytest.fixture
+def held_at() -> Iterator[Callable[[str], HeldAt]]:
+    """`held_at(point)`: a fault that holds its executor at `point`; every hold is released at teardown."""
+    holds: list[HeldAt] = []
+
+    def hold(point: str) -> HeldAt:
+        holds.append(HeldAt(pause_at=point, marker_dir=Path(".")))
+        return holds[-1]
+
+    yield hold
+    for h in holds:
+        h.release.set()
+
+
+def test_executors_working_at_once_each_commit_steps_and_none_twice(
+    no_executors: TestClient, clock: FakeClock, held_at: Callable[[str], HeldAt]
+) -> None:
+    """Each executor is held in the middle of its first step (its claim taken, its result not committed) until
+    the next one has claimed a step of its own: three steps are in flight at once, then all go on."""
     client = no_executors
-    run = _closed_round(client)
-    executors = [_executor(client, f"test-executor-{i}", clock) for i in range(3)]
+    run = closed_round(client)
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    holds = [held_at("apply.mid_step") for _ in range(3)]
+    committed: list[StepDone] = []
+    executors = [
+        _executor(client, f"test-executor-{i}", clock, faults=hold, on_step=committed.append)
+        for i, hold in enumerate(holds)
+    ]
     threads = [threading.Thread(target=e.work) for e in executors]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert sum(e.steps for e in executors) == 6
+    for thread, hold in zip(threads, holds, strict=True):
+        thread.start()
+        assert hold.reached.wait(30)  # the fault fired: this executor holds a step while the earlier ones do
+    with state.sessions() as session:
+        in_flight = session.execute(
+            select(ModuleStep.claimed_by, ModuleStep.module_id).where(ModuleStep.status == StepStatus.RUNNING)
+        ).all()
+    assert sorted(name for name, _ in in_flight) == [e.name for e in executors]
+    assert len({module for _, module in in_flight}) == 3  # three different modules
+    for hold in holds:
+        hold.release.set()
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert all(e.steps >= 1 for e in executors) and sum(e.steps for e in executors) == 6
+    assert sorted(done.module_id for done in committed) == list(range(1, 7))  # each module stepped once
+    assert [done.round_applied for done in committed].count(True) == 1
+    with state.sessions() as session:
+        steps = session.execute(select(ModuleStep.status, ModuleStep.claimed_by, ModuleStep.attempts)).all()
+    assert {(status, attempts) for status, _, attempts in steps} == {(StepStatus.DONE, 1)}  # each claimed once
+    assert Counter(name for _, name, _ in steps) == {e.name: e.steps for e in executors}
     assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
-    assert _versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
+
+
+def test_a_stopped_executor_commits_the_step_in_hand_and_claims_no_other(
+    no_executors: TestClient, clock: FakeClock, held_at: Callable[[str], HeldAt]
+) -> None:
+    """SIGTERM (`apply-worker`) or the app's shutdown sets `stop` while an executor is inside a step: it commits
+    that step and claims no other, so a process about to exit leaves no claim behind it (on another host, only
+    `claim_s` would free one)."""
+    client = no_executors
+    run = closed_round(client)
+    hold = held_at("apply.mid_step")
+    executor = _executor(client, "stopping", clock, faults=hold)
+    stop, wake = threading.Event(), threading.Event()
+    thread = threading.Thread(target=executor.serve, args=(stop, wake), kwargs={"poll_s": 0.05})
+    thread.start()
+    assert hold.reached.wait(30)  # the fault fired: inside its first step
+    stop.set()
+    wake.set()
+    hold.release.set()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert executor.steps == 1
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        steps = session.execute(select(ModuleStep.status, ModuleStep.claimed_by)).all()
+    assert Counter(map(tuple, steps)) == {(StepStatus.DONE, "stopping"): 1, (StepStatus.PENDING, None): 5}
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 0
+    assert _executor(client, "next", clock).work() == 5
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
 
 
 def test_offers_an_external_executor_made_are_adopted_by_the_sweep_and_taken_up_from_memory(
