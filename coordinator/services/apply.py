@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
@@ -174,7 +175,16 @@ def _on_this_host_and_gone(claimed_by: str, host: str) -> bool:
         return True
     except PermissionError:
         return False
-    return False
+    return _zombie(int(pid))
+
+
+def _zombie(pid: int) -> bool:
+    """Whether the process has exited and waits only for its parent to reap it (it still answers signal 0)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (not Linux), or it went away meanwhile
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the command name in parentheses
 
 
 @dataclass(slots=True)

@@ -139,9 +139,13 @@ def test_a_worker_killed_in_a_module_step_has_it_taken_over_and_each_module_step
     assert takeover.work() == 5  # every step but the one a live worker holds
     assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 0
     worker.send_signal(signal.SIGKILL)
-    assert worker.wait(timeout=10) == -signal.SIGKILL  # the fault fired: killed holding the claim, mid-step
-    with state.sessions() as session:
+    deadline = time.monotonic() + 10  # not `_wait_for`: its poll() would reap the process
+    while Path(f"/proc/{worker.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the SIGKILLed worker never became a zombie"
+        time.sleep(0.05)
+    with state.sessions() as session:  # not reaped yet: it still answers signal 0, and is gone all the same
         assert release_dead_claims(session) == 1
+    assert worker.wait(timeout=10) == -signal.SIGKILL  # the fault fired: killed holding the claim, mid-step
     assert takeover.work() == 1
     assert takeover.work() == 0
     assert _steps(client) == [
