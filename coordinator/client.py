@@ -59,6 +59,7 @@ from coordinator.schemas import (
     H_ROUND,
     H_TOKENS,
     H_TRAIN_LOSS,
+    CommitPart,
     ContributionPublic,
     ContributionSummary,
     EventPublic,
@@ -337,8 +338,11 @@ class CoordinatorClient(Session):
         train_loss: float,
         heldout_loss: float | None = None,
     ) -> ContributionPublic:
-        """Direct transfers (`lease.direct_upload`): ask for a pre-signed URL, PUT the outer gradients to the
-        bucket, commit them. Each step retries; a commit is idempotent on the server.
+        """Direct transfers (`lease.direct_upload`): ask for a ticket, PUT the outer gradients to the bucket (in
+        the ticket's parts when it is a multipart upload, collecting each part's ETag), commit them. Each request
+        retries (a part that fails with a 5xx or a lost connection is PUT again); a PUT the bucket refuses with
+        403 (e.g. the URL expired while the body was on its way) gets a new ticket once; a commit is idempotent
+        on the server.
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"direct upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
@@ -351,12 +355,10 @@ class CoordinatorClient(Session):
             if response.status_code == 409:
                 raise LeaseLost(lease.lease_id, detail(response))
             ticket = self.parse(UploadTicket, self.check(response, what=what, ok=(200,)), what=what)
-            put = self.send(ticket.url, payload, what=f"{what}: PUT", method="PUT", presigned=True)
-            if put.status_code == 403 and attempt == 1:  # e.g. the URL expired while the body was on its way
-                log.warning("%s: the bucket refused the PUT (%s); asking for a new URL", what, detail(put)[:200])
-                continue
-            self.check(put, what=f"{what}: PUT", ok=(200, 201, 204))
-            break
+            refused, parts = self._put_body(ticket, payload, what=what, last_try=attempt == 2)
+            if refused is None:
+                break
+            log.warning("%s: the bucket refused the PUT (%s); asking for a new URL", what, detail(refused)[:200])
         commit = UploadCommit(
             key=ticket.key,
             size=len(payload),
@@ -365,6 +367,8 @@ class CoordinatorClient(Session):
             tokens=tokens,
             train_loss=float(train_loss),
             heldout_loss=None if heldout_loss is None else float(heldout_loss),
+            upload_id=ticket.upload_id,
+            parts=parts,
         )
         response = self.request(
             "POST", f"/v1/leases/{lease.lease_id}/commit", what=f"{what}: commit", json=commit.model_dump()
@@ -372,6 +376,34 @@ class CoordinatorClient(Session):
         if response.status_code == 409:
             raise LeaseLost(lease.lease_id, detail(response))
         return self.parse(ContributionPublic, self.check(response, what=what, ok=(200,)), what=what)
+
+    def _put_body(
+        self, ticket: UploadTicket, payload: bytes, *, what: str, last_try: bool
+    ) -> tuple[httpx.Response | None, list[CommitPart] | None]:
+        """PUT the body as the ticket says: whole, or part by part. Returns (the bucket's 403, when it refused and
+        this is not the last try; the parts with their ETags, for a multipart upload)."""
+        if ticket.url is not None:
+            put = self.send(ticket.url, payload, what=f"{what}: PUT", method="PUT", presigned=True)
+            if put.status_code == 403 and not last_try:
+                return put, None
+            self.check(put, what=f"{what}: PUT", ok=(200, 201, 204))
+            return None, None
+        if ticket.upload_id is None or not ticket.parts:
+            raise BadResponse(what=what, problem="the upload ticket has neither a URL nor parts")
+        view = memoryview(payload)
+        parts: list[CommitPart] = []
+        for part in ticket.parts:
+            part_what = f"{what}: part {part.number} of {len(ticket.parts)}"
+            put = self.send(
+                part.url, view[part.offset : part.offset + part.size], what=part_what, method="PUT", presigned=True
+            )
+            if put.status_code == 403 and not last_try:
+                return put, None
+            etag = self.check(put, what=part_what, ok=(200, 201, 204)).headers.get("ETag")
+            if not etag:
+                raise BadResponse(what=part_what, problem="the bucket's answer has no ETag")
+            parts.append(CommitPart(number=part.number, etag=etag))
+        return None, parts
 
     # -- watching a run (what the dashboard at /ui/ reads) -----------------------------------------------
 

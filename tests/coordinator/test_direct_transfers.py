@@ -210,9 +210,9 @@ def test_a_commit_reads_the_header_in_one_get_or_two(
 ) -> None:
     """The commit reads size and header with one ranged GET; a header longer than that first read takes a second
     one, and the upload is accepted either way."""
-    from coordinator.services import uploads
+    from coordinator.services import direct as direct_module
 
-    monkeypatch.setattr(uploads, "STAGED_HEAD_READ", first_read)
+    monkeypatch.setattr(direct_module, "STAGED_HEAD_READ", first_read)
     create_running_run(direct, name=f"head-{first_read}")
     island = _island(direct, "reader")
     lease = island.lease()
