@@ -177,7 +177,8 @@ class CoordinatorClient(Session):
 
     def shard_tokens(self, shard_id: int, expected_hash: str | None = None, *, url: str | None = None) -> bytes:
         """The whole shard token file (little-endian uint16), verified against `expected_hash` (None: the hash
-        the coordinator sends with it). `url`: a pre-signed URL from a lease, fetched from the bucket directly."""
+        the coordinator sends with it). `url`: a pre-signed URL from a lease, fetched from the bucket directly (from the
+        coordinator when the bucket refuses it with a 4xx, e.g. an expired URL)."""
         return self._tokens(f"/v1/shards/{shard_id}/tokens", f"tokens of shard {shard_id}", expected_hash, url)
 
     def register_heldout(
@@ -202,8 +203,26 @@ class CoordinatorClient(Session):
 
     def _tokens(self, path: str, what: str, expected_hash: str | None, url: str | None) -> bytes:
         if url is not None and expected_hash is not None:  # a pre-signed URL from a lease: from the bucket
-            return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
+            direct = self._from_bucket(url, what=what, expected_hash=expected_hash)
+            if direct is not None:
+                return direct
         return self.download(path, what=what, expected_hash=expected_hash)
+
+    def _from_bucket(self, url: str, *, what: str, expected_hash: str) -> bytes | None:
+        """A blob from a lease's pre-signed URL; None when the bucket refused it with a 4xx (an expired URL: 403),
+        said in one log line: the caller fetches it from the coordinator instead, which reads the same store."""
+        try:
+            return self.download(url, what=f"{what} (direct)", expected_hash=expected_hash, presigned=True)
+        except RequestRejected as exc:
+            if not 400 <= exc.status < 500:
+                raise
+            log.warning(
+                "%s: the bucket refused the pre-signed GET (HTTP %d: %s); fetching it from the coordinator instead",
+                what,
+                exc.status,
+                exc.detail[:200],
+            )
+            return None
 
     # -- modules and paths -------------------------------------------------------------------------------
 
@@ -219,10 +238,13 @@ class CoordinatorClient(Session):
     ) -> bytes:
         """Safetensors bytes of one module version (None: the current one), verified against `expected_hash`
         (None: the hash the coordinator sends with it, e.g. for an old version). `url`: a pre-signed URL from a
-        lease, fetched from the bucket directly."""
+        lease, fetched from the bucket directly (from the coordinator when the bucket refuses it)."""
         if url is not None and expected_hash is not None:
-            what = f"weights of module {module_id} v{version} (direct)"
-            return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
+            direct = self._from_bucket(
+                url, what=f"weights of module {module_id} v{version}", expected_hash=expected_hash
+            )
+            if direct is not None:
+                return direct
         return self.download(
             f"/v1/modules/{module_id}/weights",
             what=f"weights of module {module_id}" + (f" v{version}" if version is not None else ""),
