@@ -34,6 +34,7 @@ from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
 from coordinator.services.apply import ApplyExecutor, executor_name, release_dead_claims
 from coordinator.services.closing import RoundCloser
+from coordinator.services.direct import DirectLimits
 from coordinator.services.dispatch import LeaseDispatcher
 from coordinator.services.leases import Affinity
 from coordinator.services.staging import sweep_staging
@@ -96,7 +97,11 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
             metrics=metrics,
             faults=faults,
             max_upload_bytes=settings.max_upload_bytes,
-            presign_expiry_s=settings.presign_expiry_s,
+            direct=DirectLimits(
+                multipart_bytes=settings.direct_multipart_bytes,
+                part_bytes=settings.direct_part_bytes,
+                expiry_s=settings.presign_expiry_s,
+            ),
         ),
     )
 

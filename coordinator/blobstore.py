@@ -5,7 +5,9 @@ Two backends with one interface (`BlobStore`):
   into place, so a blob is either complete or absent.
 - `S3BlobStore`: an S3-compatible bucket through boto3 (AWS S3, MinIO, Ceph, ...). A PUT is atomic: the object
   appears complete or not at all.
-The database references a blob only after `put_*` returned. Every read verifies the content hash.
+The database references a blob only after `put_*` returned. Every read of a whole blob verifies its content
+hash; `S3BlobStore.load_tensors` reads one module's byte ranges of an outer gradient, which was hashed when it got
+its name (see there).
 
 Staging: an upload whose sender names its sha256 waits under `staging/<name>`, outside the content-addressed
 names, until an apply executor has hashed it (`open_staged`) and given it its name (`promote_staged`); islands
@@ -17,20 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as st_load
 
-from modules.codec import decode_grad_part, encode_pieces, read_metadata
+from modules.codec import CodecError, decode_grad_part, encode_pieces, grad_part_names, read_header, read_metadata
 
 CHUNK = 1 << 20
 STAGING = "staging"
@@ -39,6 +42,21 @@ STAGING = "staging"
 
 class BlobError(Exception):
     """A missing or corrupted blob, or an unreachable store."""
+
+
+class BlobMissing(BlobError):
+    """Nothing is stored under that name or staging key (never written, or deleted)."""
+
+
+class StagedChanged(BlobError):
+    """A staged upload whose size is not the one recorded when it was committed (written again after the commit):
+    refused before it is read."""
+
+    def __init__(self, key: str, size: int, expected: int) -> None:
+        super().__init__(f"the object at {key} has {size} bytes, {expected} were committed")
+        self.key = key
+        self.size = size
+        self.expected = expected
 
 
 def check_digest(digest: str) -> str:
@@ -85,9 +103,11 @@ class BlobStore(Protocol):
         """Move a complete file to `key` (a `staging_key`), durably; the file is consumed."""
         ...
 
-    def open_staged(self, key: str) -> contextlib.AbstractContextManager[tuple[Path, str]]:
-        """A local file holding the staged upload and its sha256, for as long as the context lasts; raises
-        BlobError when nothing is staged at `key`."""
+    def open_staged(self, key: str, *, size: int) -> contextlib.AbstractContextManager[tuple[Path, str]]:
+        """A local file holding the staged upload and its sha256, for as long as the context lasts. `size`: the
+        size recorded when it was committed; an upload of another size raises `StagedChanged` before more than
+        `size` bytes of it are read. Raises `BlobMissing` when nothing is staged at `key`, BlobError when it
+        cannot be read."""
         ...
 
     def promote_staged(self, key: str, digest: str) -> None:
@@ -235,14 +255,16 @@ class LocalBlobStore:
         _fsync_dir(target.parent)  # the rename itself survives a crash: the database is about to point at it
 
     @contextlib.contextmanager
-    def open_staged(self, key: str) -> Iterator[tuple[Path, str]]:
+    def open_staged(self, key: str, *, size: int) -> Iterator[tuple[Path, str]]:
         # A name of our own for the bytes: another executor that finishes first removes the staged name meanwhile.
         mine, staged = self._tmp / f"verify-{os.getpid()}-{uuid.uuid4().hex}", self._staged_path(key)
         try:
             _link_or_copy(staged, mine)
         except FileNotFoundError as exc:
-            raise BlobError(f"nothing is staged at {key} in {self.root}") from exc
+            raise BlobMissing(f"nothing is staged at {key} in {self.root}") from exc
         try:
+            if (actual_size := mine.stat().st_size) != size:
+                raise StagedChanged(key, actual_size, size)
             with mine.open("rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
             yield mine, digest
@@ -353,52 +375,159 @@ class S3BlobStore:
         path.unlink(missing_ok=True)
 
     def presign_put(self, key: str, *, expires_s: float) -> str:
-        """A URL to PUT one upload to `key` (a `staging_key`), until it expires."""
+        """A URL to PUT one upload to `key` (a `staging_key`), until it expires. S3 cannot revoke it sooner, so an
+        island may PUT again after its commit: the executor refuses an object whose size is not the committed one
+        before reading it (`open_staged`), and one of that size that does not hash to the committed sha256."""
         return str(
             self.client.generate_presigned_url(
                 "put_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=int(expires_s)
             )
         )
 
-    def staged_head(self, key: str, length: int) -> tuple[int, bytes] | None:
-        """The staged upload's size and its first `length` bytes (fewer when it is shorter), in one ranged GET;
-        None when nothing was PUT there."""
+    # -- multipart direct uploads: a large body goes to its staging key in parts ---------------------------------
+
+    def start_multipart(self, key: str) -> str:
+        """Begin a multipart upload to `key` (a `staging_key`); its upload id."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return str(self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"])
+        except ClientError as exc:
+            raise BlobError(f"s3://{self.bucket}/{key}: cannot begin a multipart upload: {exc}") from exc
+
+    def presign_part(self, key: str, upload_id: str, number: int, *, expires_s: float) -> str:
+        """A URL to PUT part `number` (1-based) of multipart upload `upload_id`, until it expires."""
+        params = {"Bucket": self.bucket, "Key": key, "UploadId": upload_id, "PartNumber": number}
+        return str(self.client.generate_presigned_url("upload_part", Params=params, ExpiresIn=int(expires_s)))
+
+    def complete_multipart(self, key: str, upload_id: str, parts: Sequence[tuple[int, str]]) -> None:
+        """Join the parts, (number, ETag as the bucket answered its PUT) in order, into the object at `key`. Raises
+        `PartsRefused` when the bucket refuses the list (a part not uploaded, an ETag that is not the part's, a part
+        but the last under S3's 5 MiB, an upload id unknown, aborted or already completed)."""
+        from botocore.exceptions import ClientError
+
+        listed = {"Parts": [{"PartNumber": number, "ETag": etag} for number, etag in parts]}
+        try:
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload=listed
+            )
+        except ClientError as exc:
+            code = _code(exc)
+            if code in _PARTS_REFUSED:
+                message = exc.response.get("Error", {}).get("Message") or code
+                raise PartsRefused(code, f"multipart upload {upload_id!r} to {key}: {code}: {message}") from exc
+            raise BlobError(f"s3://{self.bucket}/{key}: cannot complete multipart upload: {exc}") from exc
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Drop an unfinished multipart upload and its parts; nothing when it is completed or gone already."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except ClientError as exc:
+            if _code(exc) not in ("NoSuchUpload", *_MISSING):
+                raise BlobError(f"s3://{self.bucket}/{key}: cannot abort multipart upload: {exc}") from exc
+
+    def list_multipart(self) -> Iterator[tuple[str, str, datetime]]:
+        """Unfinished multipart uploads to staging keys: (key, upload id, when it was begun, UTC)."""
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=f"{self.prefix}{STAGING}/"
+        )
+        for page in pages:
+            for item in page.get("Uploads", []):
+                yield str(item["Key"]), str(item["UploadId"]), item["Initiated"].astimezone(UTC)
+
+    # -- reading parts of objects -----------------------------------------------------------------------------------
+
+    def _first_bytes(self, key: str, length: int) -> tuple[int, bytes]:
+        """An object's size and its first `length` bytes (fewer when it is shorter), in one ranged GET; raises
+        `BlobMissing` when there is no object at `key`."""
         from botocore.exceptions import ClientError
 
         try:
             reply = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{length - 1}")
         except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code in ("404", "NoSuchKey", "NotFound"):
-                return None
-            if code in ("416", "InvalidRange"):  # an empty object has no byte 0
+            code = _code(exc)
+            if code in _MISSING:
+                raise BlobMissing(f"nothing is stored at s3://{self.bucket}/{key}") from exc
+            if code in _EMPTY:  # an empty object has no byte 0
                 return 0, b""
             raise BlobError(f"s3://{self.bucket}/{key}: {exc}") from exc
-        data = bytes(reply["Body"].read())
-        total = str(reply.get("ContentRange") or "").rpartition("/")[2]
-        return (int(total) if total.isdigit() else len(data)), data
+        body = reply["Body"]
+        try:
+            data = bytes(body.read(length))  # at most what was asked for, whatever the server sends
+        finally:
+            body.close()
+        return _object_size(reply, len(data)), data
+
+    def _range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object, in one ranged GET."""
+        from botocore.exceptions import ClientError
+
+        if end <= start:
+            return b""
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+        except ClientError as exc:
+            if _code(exc) in _MISSING:
+                raise BlobMissing(f"nothing is stored at s3://{self.bucket}/{key}") from exc
+            raise BlobError(f"s3://{self.bucket}/{key}: {exc}") from exc
+        try:
+            data = bytes(body.read(end - start))
+        finally:
+            body.close()
+        if len(data) != end - start:
+            raise BlobError(f"s3://{self.bucket}/{key}: bytes [{start}, {end}) came back as {len(data)} bytes")
+        return data
+
+    def staged_head(self, key: str, length: int) -> tuple[int, bytes] | None:
+        """The staged upload's size and its first `length` bytes (fewer when it is shorter), in one ranged GET;
+        None when nothing was PUT there."""
+        try:
+            return self._first_bytes(key, length)
+        except BlobMissing:
+            return None
 
     def staged_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a staged upload (its safetensors header, read without the rest)."""
-        if end <= start:
-            return b""
-        body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
-        return bytes(body.read())
+        return self._range(key, start, end)
 
     @contextlib.contextmanager
-    def open_staged(self, key: str) -> Iterator[tuple[Path, str]]:
-        """Streamed from the bucket into a temporary file, hashed on the way."""
-        with tempfile.TemporaryDirectory(prefix="dipaco-staged-") as tmp:
+    def open_staged(self, key: str, *, size: int) -> Iterator[tuple[Path, str]]:
+        """Streamed from the bucket into a temporary file, hashed on the way: one GET of bytes [0, size), so an
+        object written again after its commit is neither downloaded nor spooled beyond the committed size; its
+        size (from the reply's Content-Range) is checked before its body is read."""
+        from botocore.exceptions import ClientError
+
+        if size < 1:
+            raise StagedChanged(key, -1, size)  # nothing committed is empty: a safetensors body has a header
+        try:
+            reply = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{size - 1}")
+        except ClientError as exc:
+            code = _code(exc)
+            if code in _MISSING:
+                raise BlobMissing(f"nothing is staged at s3://{self.bucket}/{key}") from exc
+            if code in _EMPTY:
+                raise StagedChanged(key, 0, size) from exc
+            raise BlobError(f"s3://{self.bucket}/{key} cannot be read: {exc}") from exc
+        body = reply["Body"]
+        with contextlib.closing(body), tempfile.TemporaryDirectory(prefix="dipaco-staged-") as tmp:
+            total = _object_size(reply, -1)
+            if total != size:
+                raise StagedChanged(key, total, size)
             path = Path(tmp) / "upload"
             h = hashlib.sha256()
+            read = 0
             try:
-                body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
                 with path.open("wb") as out:
-                    for chunk in body.iter_chunks(CHUNK):
+                    while read < size and (chunk := body.read(min(CHUNK, size - read))):
                         h.update(chunk)
                         out.write(chunk)
+                        read += len(chunk)
             except Exception as exc:  # noqa: BLE001 - botocore's errors have no common base worth naming here
                 raise BlobError(f"s3://{self.bucket}/{key} cannot be read: {exc}") from exc
+            if read != size:
+                raise BlobError(f"s3://{self.bucket}/{key}: the read stopped after {read} of {size} bytes")
             yield path, h.hexdigest()
 
     def promote_staged(self, key: str, digest: str) -> None:
@@ -420,12 +549,39 @@ class S3BlobStore:
                 yield str(item["Key"]), item["LastModified"].astimezone(UTC)
 
     def load_tensors(self, digest: str, prefix: str, *, verified: set[str]) -> dict[str, torch.Tensor]:
-        # S3 has no memory map: the whole blob is read (and its hash checked) each time.
-        verified.add(digest)
-        data = self.get_bytes(digest)
-        tensors = st_load(data)
-        shapes = {k: list(v.shape) for k, v in tensors.items()}
-        return decode_grad_part(shapes, read_metadata(data), tensors.__getitem__, prefix)
+        """Only the module's bytes are read, so memory is O(module), not O(upload): the header with one ranged GET
+        (`HEAD_READ`; a second one when it is longer), then one ranged GET per contiguous run of the tensors
+        `decode_grad_part` needs (`modules.codec.grad_part_names`: the module's own, and an int8 payload's scales).
+
+        Unlike the local store this does not hash the whole blob (`verified` is not used): that would read every
+        module's bytes for each module. The blob was hashed when it got its content name: an upload through the
+        coordinator as it streamed in (`put_file`, `put_stream`), or by the apply executor before `promote_staged`
+        (a direct upload, a large named one: `staging.verify_staged`), and S3 checks each PUT's own checksum. What
+        is checked here: the header (JSON; every entry's dtype, shape and offsets agree and lie inside the object,
+        whose size must be the header's plus the data's). Bytes changed inside the bucket after that are not
+        detected here; `get_bytes` and `iter_verified` (weights, momentum, downloads) still hash everything."""
+        key = self.key(digest)
+        size, head = self._first_bytes(key, HEAD_READ)
+        if size < 8:
+            raise BlobError(f"blob {digest} of {size} bytes is too short for a safetensors payload")
+        n = int.from_bytes(head[:8], "little")
+        if 8 + n > size:
+            raise BlobError(f"blob {digest}: a safetensors header of {n} bytes in an object of {size} bytes")
+        if len(head) < 8 + n:
+            head += self._range(key, len(head), 8 + n)
+        try:
+            header, metadata = read_header(head[: 8 + n]), read_metadata(head[: 8 + n])
+            entries = _tensor_entries(header, data_size=size - 8 - n)
+            names = grad_part_names(entries, metadata, prefix)
+        except CodecError as exc:
+            raise BlobError(f"blob {digest}: {exc}") from exc
+        tensors: dict[str, torch.Tensor] = {}
+        for start, end, group in _contiguous_runs(entries, names):
+            buffer = bytearray(self._range(key, 8 + n + start, 8 + n + end))
+            for name in group:
+                tensors[name] = entries[name].tensor(buffer, base=start)
+        shapes = {name: entry.shape for name, entry in entries.items()}
+        return decode_grad_part(shapes, metadata, tensors.__getitem__, prefix)
 
     def _body(self, digest: str) -> Any:
         from botocore.exceptions import ClientError
@@ -433,7 +589,9 @@ class S3BlobStore:
         try:
             return self.client.get_object(Bucket=self.bucket, Key=self.key(digest))["Body"]
         except ClientError as exc:
-            raise BlobError(f"blob {digest} is missing from s3://{self.bucket}/{self.prefix}: {exc}") from exc
+            if _code(exc) in _MISSING:
+                raise BlobMissing(f"blob {digest} is missing from s3://{self.bucket}/{self.prefix}: {exc}") from exc
+            raise BlobError(f"blob {digest} cannot be read from s3://{self.bucket}/{self.prefix}: {exc}") from exc
 
     def get_bytes(self, digest: str) -> bytes:
         return _verified(digest, self._body(digest).read())
@@ -441,6 +599,94 @@ class S3BlobStore:
     def iter_verified(self, digest: str) -> Iterator[bytes]:
         body = self._body(digest)
         yield from _verify_chunks(digest, body.iter_chunks(CHUNK))
+
+
+HEAD_READ = 64 << 10
+"""Bytes of an object read with its size when only its safetensors header is wanted (most headers fit)."""
+_MISSING = ("404", "NoSuchKey", "NotFound")
+_EMPTY = ("416", "InvalidRange")
+_PARTS_REFUSED = ("InvalidPart", "InvalidPartOrder", "EntityTooSmall", "NoSuchUpload", "MalformedXML")
+
+
+class PartsRefused(BlobError):
+    """The bucket refused to join a multipart upload's parts as listed; `code` is S3's error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _code(exc: Any) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _object_size(reply: Mapping[str, Any], default: int) -> int:
+    """The whole object's size from a (ranged) GET's reply: Content-Range's total, else Content-Length."""
+    total = str(reply.get("ContentRange") or "").rpartition("/")[2]
+    if total.isdigit():
+        return int(total)
+    length = reply.get("ContentLength")
+    return int(length) if length is not None else default
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8, "I64": torch.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One tensor of a safetensors header: dtype, shape and its bytes [start, end) after the header."""
+
+    dtype: torch.dtype
+    shape: list[int]
+    start: int
+    end: int
+
+    def tensor(self, buffer: bytearray, *, base: int) -> torch.Tensor:
+        """The tensor from a buffer that holds bytes [base, ...) of the data (no copy)."""
+        count = (self.end - self.start) // self.dtype.itemsize
+        if count == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        flat = torch.frombuffer(buffer, dtype=self.dtype, count=count, offset=self.start - base)
+        return flat.reshape(self.shape)
+
+
+def _tensor_entries(header: Mapping[str, Any], *, data_size: int) -> dict[str, _Entry]:
+    """Every entry of a safetensors header, checked: a known dtype, a shape of non-negative integers, offsets
+    inside the data whose length is the shape's; the entries together end where the data ends."""
+    entries: dict[str, _Entry] = {}
+    for name, info in header.items():
+        fields: dict[str, Any] = info if isinstance(info, dict) else {}
+        dtype = _DTYPES.get(str(fields.get("dtype")))
+        shape, offsets = fields.get("shape"), fields.get("data_offsets")
+        if (
+            dtype is None
+            or not isinstance(shape, list)
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_size
+            or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize
+        ):
+            raise CodecError(f"tensor {name!r}: bad safetensors entry {info!r} (data of {data_size} bytes)")
+        entries[name] = _Entry(dtype=dtype, shape=shape, start=offsets[0], end=offsets[1])
+    end = max((e.end for e in entries.values()), default=0)
+    if end != data_size:
+        raise CodecError(f"the tensors end at byte {end} of the data, the object holds {data_size}")
+    return entries
+
+
+def _contiguous_runs(entries: Mapping[str, _Entry], names: Sequence[str]) -> list[tuple[int, int, list[str]]]:
+    """The byte runs [start, end) that hold `names`, adjacent tensors merged into one run (one GET each)."""
+    runs: list[tuple[int, int, list[str]]] = []
+    for name in sorted(names, key=lambda n: (entries[n].start, entries[n].end)):
+        entry = entries[name]
+        if runs and entry.start <= runs[-1][1]:
+            start, end, group = runs[-1]
+            runs[-1] = (start, max(end, entry.end), [*group, name])
+        else:
+            runs.append((entry.start, entry.end, [name]))
+    return runs
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:

@@ -59,6 +59,7 @@ from coordinator.schemas import (
     H_ROUND,
     H_TOKENS,
     H_TRAIN_LOSS,
+    CommitPart,
     ContributionPublic,
     ContributionSummary,
     EventPublic,
@@ -176,7 +177,8 @@ class CoordinatorClient(Session):
 
     def shard_tokens(self, shard_id: int, expected_hash: str | None = None, *, url: str | None = None) -> bytes:
         """The whole shard token file (little-endian uint16), verified against `expected_hash` (None: the hash
-        the coordinator sends with it). `url`: a pre-signed URL from a lease, fetched from the bucket directly."""
+        the coordinator sends with it). `url`: a pre-signed URL from a lease, fetched from the bucket directly (from the
+        coordinator when the bucket refuses it with a 4xx, e.g. an expired URL)."""
         return self._tokens(f"/v1/shards/{shard_id}/tokens", f"tokens of shard {shard_id}", expected_hash, url)
 
     def register_heldout(
@@ -201,8 +203,26 @@ class CoordinatorClient(Session):
 
     def _tokens(self, path: str, what: str, expected_hash: str | None, url: str | None) -> bytes:
         if url is not None and expected_hash is not None:  # a pre-signed URL from a lease: from the bucket
-            return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
+            direct = self._from_bucket(url, what=what, expected_hash=expected_hash)
+            if direct is not None:
+                return direct
         return self.download(path, what=what, expected_hash=expected_hash)
+
+    def _from_bucket(self, url: str, *, what: str, expected_hash: str) -> bytes | None:
+        """A blob from a lease's pre-signed URL; None when the bucket refused it with a 4xx (an expired URL: 403),
+        said in one log line: the caller fetches it from the coordinator instead, which reads the same store."""
+        try:
+            return self.download(url, what=f"{what} (direct)", expected_hash=expected_hash, presigned=True)
+        except RequestRejected as exc:
+            if not 400 <= exc.status < 500:
+                raise
+            log.warning(
+                "%s: the bucket refused the pre-signed GET (HTTP %d: %s); fetching it from the coordinator instead",
+                what,
+                exc.status,
+                exc.detail[:200],
+            )
+            return None
 
     # -- modules and paths -------------------------------------------------------------------------------
 
@@ -218,10 +238,13 @@ class CoordinatorClient(Session):
     ) -> bytes:
         """Safetensors bytes of one module version (None: the current one), verified against `expected_hash`
         (None: the hash the coordinator sends with it, e.g. for an old version). `url`: a pre-signed URL from a
-        lease, fetched from the bucket directly."""
+        lease, fetched from the bucket directly (from the coordinator when the bucket refuses it)."""
         if url is not None and expected_hash is not None:
-            what = f"weights of module {module_id} v{version} (direct)"
-            return self.download(url, what=what, expected_hash=expected_hash, presigned=True)
+            direct = self._from_bucket(
+                url, what=f"weights of module {module_id} v{version}", expected_hash=expected_hash
+            )
+            if direct is not None:
+                return direct
         return self.download(
             f"/v1/modules/{module_id}/weights",
             what=f"weights of module {module_id}" + (f" v{version}" if version is not None else ""),
@@ -337,8 +360,11 @@ class CoordinatorClient(Session):
         train_loss: float,
         heldout_loss: float | None = None,
     ) -> ContributionPublic:
-        """Direct transfers (`lease.direct_upload`): ask for a pre-signed URL, PUT the outer gradients to the
-        bucket, commit them. Each step retries; a commit is idempotent on the server.
+        """Direct transfers (`lease.direct_upload`): ask for a ticket, PUT the outer gradients to the bucket (in
+        the ticket's parts when it is a multipart upload, collecting each part's ETag), commit them. Each request
+        retries (a part that fails with a 5xx or a lost connection is PUT again); a PUT the bucket refuses with
+        403 (e.g. the URL expired while the body was on its way) gets a new ticket once; a commit is idempotent
+        on the server.
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"direct upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
@@ -351,12 +377,10 @@ class CoordinatorClient(Session):
             if response.status_code == 409:
                 raise LeaseLost(lease.lease_id, detail(response))
             ticket = self.parse(UploadTicket, self.check(response, what=what, ok=(200,)), what=what)
-            put = self.send(ticket.url, payload, what=f"{what}: PUT", method="PUT", presigned=True)
-            if put.status_code == 403 and attempt == 1:  # e.g. the URL expired while the body was on its way
-                log.warning("%s: the bucket refused the PUT (%s); asking for a new URL", what, detail(put)[:200])
-                continue
-            self.check(put, what=f"{what}: PUT", ok=(200, 201, 204))
-            break
+            refused, parts = self._put_body(ticket, payload, what=what, last_try=attempt == 2)
+            if refused is None:
+                break
+            log.warning("%s: the bucket refused the PUT (%s); asking for a new URL", what, detail(refused)[:200])
         commit = UploadCommit(
             key=ticket.key,
             size=len(payload),
@@ -365,6 +389,8 @@ class CoordinatorClient(Session):
             tokens=tokens,
             train_loss=float(train_loss),
             heldout_loss=None if heldout_loss is None else float(heldout_loss),
+            upload_id=ticket.upload_id,
+            parts=parts,
         )
         response = self.request(
             "POST", f"/v1/leases/{lease.lease_id}/commit", what=f"{what}: commit", json=commit.model_dump()
@@ -372,6 +398,34 @@ class CoordinatorClient(Session):
         if response.status_code == 409:
             raise LeaseLost(lease.lease_id, detail(response))
         return self.parse(ContributionPublic, self.check(response, what=what, ok=(200,)), what=what)
+
+    def _put_body(
+        self, ticket: UploadTicket, payload: bytes, *, what: str, last_try: bool
+    ) -> tuple[httpx.Response | None, list[CommitPart] | None]:
+        """PUT the body as the ticket says: whole, or part by part. Returns (the bucket's 403, when it refused and
+        this is not the last try; the parts with their ETags, for a multipart upload)."""
+        if ticket.url is not None:
+            put = self.send(ticket.url, payload, what=f"{what}: PUT", method="PUT", presigned=True)
+            if put.status_code == 403 and not last_try:
+                return put, None
+            self.check(put, what=f"{what}: PUT", ok=(200, 201, 204))
+            return None, None
+        if ticket.upload_id is None or not ticket.parts:
+            raise BadResponse(what=what, problem="the upload ticket has neither a URL nor parts")
+        view = memoryview(payload)
+        parts: list[CommitPart] = []
+        for part in ticket.parts:
+            part_what = f"{what}: part {part.number} of {len(ticket.parts)}"
+            put = self.send(
+                part.url, view[part.offset : part.offset + part.size], what=part_what, method="PUT", presigned=True
+            )
+            if put.status_code == 403 and not last_try:
+                return put, None
+            etag = self.check(put, what=part_what, ok=(200, 201, 204)).headers.get("ETag")
+            if not etag:
+                raise BadResponse(what=part_what, problem="the bucket's answer has no ETag")
+            parts.append(CommitPart(number=part.number, etag=etag))
+        return None, parts
 
     # -- watching a run (what the dashboard at /ui/ reads) -----------------------------------------------
 

@@ -133,7 +133,7 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _chunks(payload: bytes) -> Iterator[memoryview]:
+def _chunks(payload: bytes | memoryview) -> Iterator[memoryview]:
     """The payload as `UPLOAD_CHUNK` slices, without copies (h11 takes any bytes-like object)."""
     view = memoryview(payload)
     for start in range(0, len(view), UPLOAD_CHUNK):
@@ -147,11 +147,11 @@ def _file_chunks(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-def _streamed(source: bytes | Path) -> tuple[Callable[[], Iterator[Any]], int]:
+def _streamed(source: bytes | memoryview | Path) -> tuple[Callable[[], Iterator[Any]], int]:
     """A body factory (a fresh iterator per attempt, so a retry resends from the start) and the body's length."""
     if isinstance(source, Path):
         return (lambda: _file_chunks(source)), source.stat().st_size
-    return (lambda: _chunks(source)), len(source)
+    return (lambda: _chunks(source)), source.nbytes if isinstance(source, memoryview) else len(source)
 
 
 class Session:
@@ -364,7 +364,7 @@ class Session:
     def send(
         self,
         url: str,
-        source: bytes | Path,
+        source: bytes | memoryview | Path,
         *,
         what: str,
         headers: Mapping[str, str] | None = None,

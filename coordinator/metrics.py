@@ -14,6 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from coordinator.errors import ServiceError
 
+BYTES_IN_KINDS = ("outer_gradient", "shard")
+"""`kind` labels of `dipaco_bytes_in_total`: request bodies of outer-gradient uploads, of shard registrations."""
+BYTES_OUT_KINDS = ("weights", "shard")
+"""`kind` labels of `dipaco_bytes_out_total`: module weights and shard (and held-out) tokens sent."""
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -59,6 +64,11 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        # every kind shown from the start, at 0 until bytes pass (with direct transfers, outer gradients never do)
+        for kind in BYTES_IN_KINDS:
+            self.bytes_in.labels(kind=kind)
+        for kind in BYTES_OUT_KINDS:
+            self.bytes_out.labels(kind=kind)
         self.leases_issued = Counter("dipaco_leases_issued", "Leases handed to islands", registry=self.registry)
         self.lease_expiries = Counter(
             "dipaco_lease_expiries", "Leases that expired without an upload", registry=self.registry

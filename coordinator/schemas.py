@@ -595,17 +595,44 @@ class UploadTicketRequest(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class UploadTicket(BaseModel):
-    """Where to PUT the body (a pre-signed URL, good until `expires_at`), and the key to commit."""
+MAX_PARTS = 10_000
+"""S3's largest number of parts in one multipart upload."""
 
+
+class UploadPart(BaseModel):
+    """One part of a multipart direct upload: PUT bytes [offset, offset + size) of the body to `url` and keep the
+    ETag the bucket answers with."""
+
+    number: int = Field(description="1-based part number")
+    offset: int
+    size: int
     url: str
+
+
+class UploadTicket(BaseModel):
+    """Where to PUT the body, good until `expires_at`, and the key to commit: one pre-signed URL (`url`), or, for a
+    body of at least the coordinator's `direct_multipart_bytes`, a multipart upload (`upload_id`) whose `parts`
+    cover the body in order (each but the last at least 5 MiB, as S3 requires)."""
+
+    url: str | None = Field(default=None, description="PUT the whole body here (None: a multipart upload)")
     key: str
     expires_at: datetime
+    upload_id: str | None = Field(default=None, description="The multipart upload to commit the parts of")
+    parts: list[UploadPart] = Field(default_factory=list)
+
+
+class CommitPart(BaseModel):
+    """A part of a multipart direct upload as the bucket took it: its number and the ETag its PUT answered."""
+
+    model_config = STRICT
+    number: int = Field(ge=1, le=MAX_PARTS)
+    etag: str = Field(min_length=1, max_length=128, pattern=r'^"?[0-9A-Za-z-]+"?$')
 
 
 class UploadCommit(BaseModel):
     """The upload is in the bucket: record it (the same checks as an upload through the coordinator; its values
-    are verified by the apply executor before any math)."""
+    are verified by the apply executor before any math). A multipart upload names its `upload_id` and every part,
+    numbered 1..N in order; the coordinator joins them before it reads the header."""
 
     model_config = STRICT
     key: str = Field(min_length=1, max_length=300)
@@ -615,3 +642,15 @@ class UploadCommit(BaseModel):
     tokens: int = Field(ge=0, le=DB_INT_MAX)
     train_loss: float
     heldout_loss: float | None = None
+    upload_id: str | None = Field(default=None, min_length=1, max_length=1024)
+    parts: list[CommitPart] | None = Field(default=None, min_length=1, max_length=MAX_PARTS)
+
+    @model_validator(mode="after")
+    def _parts_of_one_upload(self) -> UploadCommit:
+        if (self.upload_id is None) != (self.parts is None):
+            raise ValueError("upload_id and parts go together (a multipart upload) or not at all (a single PUT)")
+        numbers = [part.number for part in self.parts or []]
+        if numbers != list(range(1, len(numbers) + 1)):
+            shown = numbers if len(numbers) <= 10 else [*numbers[:10], "..."]
+            raise ValueError(f"parts must be numbered 1..{len(numbers)} in order, got {shown}")
+        return self

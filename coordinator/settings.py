@@ -123,6 +123,19 @@ class Settings(BaseSettings):
         le=7 * 86_400,
         description="With an s3:// blob store: how long the pre-signed URLs of direct transfers are good for",
     )
+    direct_multipart_bytes: int = Field(
+        default=64 << 20,
+        gt=0,
+        description="With an s3:// blob store: a direct upload of at least this many bytes goes to the bucket in "
+        "parts (an S3 multipart upload: one pre-signed URL per part), a smaller one in one PUT",
+    )
+    direct_part_bytes: int = Field(
+        default=16 << 20,
+        ge=5 << 20,
+        le=5 << 30,
+        description="Size of each part of a multipart direct upload but the last (S3: 5 MiB to 5 GiB; larger when "
+        "the body would need more than 10,000 parts)",
+    )
     max_json_bytes: int = Field(
         default=1 << 20, gt=0, description="Cap on a JSON request body (run specs, joins); larger ones get 413"
     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -342,6 +342,15 @@ def payload_codec(metadata: Mapping[str, str] | None) -> tuple[str, int]:
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise CodecError(f"int8 block size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
     return codec, block_size
+
+
+def grad_part_names(names: Iterable[str], metadata: Mapping[str, str] | None, prefix: str) -> list[str]:
+    """The tensors `decode_grad_part` reads for one module: those named `prefix...` (the row ids of sparse rows
+    included) and, in an int8 payload, the block scales `::scales` (a blob store that reads byte ranges fetches
+    only these)."""
+    codec, _ = payload_codec(metadata)
+    own = [name for name in names if name.startswith(prefix) and name != SCALES_NAME]
+    return [*own, SCALES_NAME] if codec == "int8" else own
 
 
 def decode_grad_part(

@@ -41,7 +41,7 @@ from coordinator.services.leases import Affinity, ReadyOffer
 from coordinator.services.periods import finish_if_done
 from coordinator.services.rounds import finish_round
 from coordinator.services.runs import run_schedule, weight_norm
-from coordinator.services.staging import REFUSED, verify_staged
+from coordinator.services.staging import REFUSED, STAGED_READ_ATTEMPTS, verify_staged
 from coordinator.states import ContributionStatus, StepStatus
 from modules import (
     NonFiniteStep,
@@ -92,6 +92,8 @@ class _Claimed:
     run_id: int
     round: int
     module_id: int
+    attempts: int = 1
+    """How many times the step has been claimed, this claim included."""
 
 
 def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S) -> _Claimed | None:
@@ -130,12 +132,14 @@ def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = C
                     .values(
                         status=StepStatus.RUNNING, claimed_by=name, claimed_at=now, attempts=ModuleStep.attempts + 1
                     )
-                    .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id),
+                    .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id, ModuleStep.attempts),
                     execution_options={"synchronize_session": False},
                 ).first()
                 if taken is not None:
                     session.commit()
-                    return _Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2])
+                    return _Claimed(
+                        step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2], attempts=taken[3]
+                    )
             session.rollback()
             return None
 
@@ -227,8 +231,16 @@ def apply_step(
     affinity: Affinity | None = None,
 ) -> StepDone | None:
     """Step one claimed module and commit; None when the claim was lost meanwhile (nothing is written then).
-    Direct uploads the step needs are verified first (`staging.verify_staged`)."""
-    verify_staged(session, blobs, run_id=claimed.run_id, round_=claimed.round, module_id=claimed.module_id)
+    Direct uploads the step needs are verified first (`staging.verify_staged`; one that cannot be read is refused
+    at the step's `STAGED_READ_ATTEMPTS`th claim, so a broken object cannot hold its round forever)."""
+    verify_staged(
+        session,
+        blobs,
+        run_id=claimed.run_id,
+        round_=claimed.round,
+        module_id=claimed.module_id,
+        give_up=claimed.attempts >= STAGED_READ_ATTEMPTS,
+    )
     with reading():  # `_commit` checks again, under the run's lock, that the module is still at this version
         module = session.get_one(Module, claimed.module_id)
         run = session.get_one(Run, claimed.run_id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path as FilePath
 
 from sqlalchemy import and_, select, update
@@ -44,13 +44,11 @@ from coordinator.schemas import (
     UploadTicketRequest,
 )
 from coordinator.services.closing import RoundCloser
+from coordinator.services.direct import DirectLimits, Multipart, direct_ticket, staged_payload
 from coordinator.services.events import record_refused_upload
 from coordinator.services.payloads import (
     Payload,
     PayloadStream,
-    header_cap,
-    header_length,
-    validated_header,
     validated_payload,
 )
 from coordinator.services.periods import budget_spent, finish_if_done, flush_periods, make_due
@@ -88,6 +86,8 @@ class Upload:
     """`X-Dipaco-Heldout-Loss`, when sent: the lease's start weights scored on the path's held-out slice."""
     stream: PayloadStream | None = None
     """The body's values, checked while it was spooled (`UploadDesk.payload_stream`); None: the file is read back."""
+    multipart: Multipart | None = None
+    """A direct upload PUT in parts: joined at its commit, before its header is read (`direct.staged_payload`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +121,6 @@ class _Checked:
     """The run's sparse_rows: the embedding comes as rows (`modules.sparse_rows`), and only then."""
 
 
-STAGED_HEAD_READ = 64 << 10
-"""Bytes of a direct upload read with its size at commit: a path's safetensors header fits in them."""
-
-
 class UploadDesk:
     """Accepts uploads for this process: the transaction (`submit_outer_gradients`), the counts, and the round
     close when the upload completed its round."""
@@ -139,7 +135,7 @@ class UploadDesk:
         metrics: Metrics,
         faults: FaultInjector,
         max_upload_bytes: int = 1 << 30,
-        presign_expiry_s: float = 900.0,
+        direct: DirectLimits | None = None,
     ) -> None:
         self._sessions = sessions
         self._blobs = blobs
@@ -148,7 +144,7 @@ class UploadDesk:
         self._metrics = metrics
         self._faults = faults
         self._max_upload_bytes = max_upload_bytes
-        self._presign_expiry_s = presign_expiry_s
+        self._direct = direct if direct is not None else DirectLimits()
 
     @property
     def direct(self) -> bool:
@@ -156,8 +152,9 @@ class UploadDesk:
         return isinstance(self._blobs, S3BlobStore)
 
     def ticket(self, lease_id: int, island_id: int, request: UploadTicketRequest) -> UploadTicket:
-        """Where the island may PUT the outer gradient of its lease (a pre-signed URL to a staging key named by
-        the lease and the body's sha256, so a retry gets the same key); runs on a worker thread."""
+        """Where the island may PUT the outer gradient of its lease: pre-signed URLs to a staging key named by the
+        lease and the body's sha256 (so a retry gets the same key), one, or one per part of a large body
+        (`direct.direct_ticket`); runs on a worker thread."""
         if not isinstance(self._blobs, S3BlobStore):
             raise Conflict("direct uploads need an s3:// blob store; upload to /outer-gradients instead")
         if request.size > self._max_upload_bytes:
@@ -168,10 +165,7 @@ class UploadDesk:
                 raise Forbidden(f"lease {lease_id} belongs to island {found.lease.island_id}, not island {island_id}")
             _check_lease(session, found, None, now=self._clock())
         key = self._blobs.staging_key(f"{lease_id}-{request.sha256}")
-        expires = self._clock() + timedelta(seconds=self._presign_expiry_s)
-        return UploadTicket(
-            url=self._blobs.presign_put(key, expires_s=self._presign_expiry_s), key=key, expires_at=expires
-        )
+        return direct_ticket(self._blobs, key, request.size, limits=self._direct, now=self._clock())
 
     def payload_stream(self, lease_id: int, island_id: int) -> PayloadStream | None:
         """A checker of an upload's values while its body streams in, set up from the lease's path and run; None
@@ -196,7 +190,8 @@ class UploadDesk:
 
     def commit(self, lease_id: int, island_id: int, commit: UploadCommit) -> ContributionPublic:
         """Record an outer gradient the island PUT to the bucket (`ticket`); the same checks and answers as an
-        upload through the coordinator, the values verified later by the apply executor."""
+        upload through the coordinator, the values verified later by the apply executor. A multipart upload's
+        parts are joined first; a refused multipart commit aborts its upload (its parts are dropped)."""
         if not isinstance(self._blobs, S3BlobStore):
             raise Conflict("direct uploads need an s3:// blob store; upload to /outer-gradients instead")
         if commit.key != self._blobs.staging_key(f"{lease_id}-{commit.sha256}"):
@@ -212,8 +207,18 @@ class UploadDesk:
             body_sha256=commit.sha256,
             size=commit.size,
             staged_key=commit.key,
+            multipart=None
+            if commit.upload_id is None
+            else Multipart(commit.upload_id, tuple((part.number, part.etag) for part in commit.parts or ())),
         )
-        return self.accept(upload)
+        try:
+            return self.accept(upload)
+        except (Forbidden, NotFound):
+            raise  # not this island's lease: its upload is not ours to abort
+        except ServiceError:
+            if upload.multipart is not None:
+                self._blobs.abort_multipart(commit.key, upload.multipart.upload_id)
+            raise
 
     def accept(self, upload: Upload) -> ContributionPublic:
         """Accept (or refuse, with a `ServiceError`, recorded as an event) one upload; runs on a worker thread."""
@@ -286,37 +291,18 @@ def submit_outer_gradients(
             )
         _check_norms(payload, checked)
     else:
-        payload = _staged_payload(blobs, upload, checked)
+        payload = staged_payload(
+            blobs,
+            upload.staged_key,
+            upload.size,
+            upload.multipart,
+            cfg=checked.cfg,
+            layout=checked.layout,
+            levels=checked.levels,
+            codec=checked.codec,
+            sparse_rows=checked.sparse_rows,
+        )
     return _record(session, blobs, upload, checked, payload, now=now, faults=faults)
-
-
-def _staged_payload(blobs: BlobStore, upload: Upload, checked: _Checked) -> Payload:
-    """A direct upload's header, read from the bucket with one ranged GET (two when the header is longer than
-    `STAGED_HEAD_READ`); its values (finite, norms) are verified by the apply executor before any math
-    (`staging.verify_staged`)."""
-    if not isinstance(blobs, S3BlobStore) or upload.staged_key is None:
-        raise Invalid("direct uploads need an s3:// blob store")
-    head = blobs.staged_head(upload.staged_key, STAGED_HEAD_READ)
-    if head is None:
-        raise Conflict(f"nothing was uploaded at {upload.staged_key}: PUT the body to the ticket's URL first")
-    size, first = head
-    if size != upload.size:
-        raise Invalid(f"the upload at {upload.staged_key} has {size} bytes, the commit says {upload.size}")
-    cap = header_cap(checked.cfg, checked.layout, checked.levels)
-    n = header_length(first[:8], cap=cap)
-    need = min(8 + n, size)
-    if len(first) < need:
-        first += blobs.staged_range(upload.staged_key, len(first), need)
-    header = validated_header(
-        first[:need],
-        size,
-        checked.cfg,
-        checked.layout,
-        checked.levels,
-        codec=checked.codec,
-        sparse_rows=checked.sparse_rows,
-    )
-    return Payload(prefixes=header.prefixes, norms=dict.fromkeys(header.prefixes), codec=checked.codec)
 
 
 def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checked | Submitted:

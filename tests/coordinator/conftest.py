@@ -1,15 +1,19 @@
-"""The coordinator app through Starlette's TestClient, on the parametrised database and the fake clock."""
+"""The coordinator app through Starlette's TestClient, on the parametrised database and the fake clock; `direct`:
+the same on an s3:// blob store (moto's S3 server on loopback), where islands move tensors with pre-signed URLs."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
 from coordinator.settings import Settings
-from tests.conftest import FakeClock
+from tests.conftest import ADMIN, JOIN, FakeClock
+
+BUCKET = "dipaco-direct"
 
 
 @pytest.fixture
@@ -34,3 +38,26 @@ def value_checks(request: pytest.FixtureRequest, settings: Settings) -> str:
     if request.param == "streamed":
         settings.upload_stream_check_bytes = 0
     return str(request.param)
+
+
+@pytest.fixture
+def direct_settings(tmp_path: Path, s3_env: str, database_url: str) -> Settings:
+    """Settings of a coordinator on an s3:// blob store (a prefix of its own in one moto bucket), on the
+    parametrised database; change them before the app is made (`direct` makes it from them)."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=BUCKET)
+    return Settings(
+        data_dir=tmp_path / "coordinator",
+        database_url=database_url,
+        blob_url=f"s3://{BUCKET}/{tmp_path.name}",
+        s3_endpoint_url=s3_env,
+        admin_token=ADMIN,  # type: ignore[arg-type]
+        join_token=JOIN,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def direct(direct_settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
+    with TestClient(create_app(direct_settings, clock=clock)) as client:
+        yield client

@@ -13,7 +13,15 @@ import torch
 from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
-from coordinator.blobstore import BlobError, BlobStore, LocalBlobStore, S3BlobStore, open_blob_store
+from coordinator.blobstore import (
+    BlobError,
+    BlobMissing,
+    BlobStore,
+    LocalBlobStore,
+    S3BlobStore,
+    StagedChanged,
+    open_blob_store,
+)
 from coordinator.settings import Settings
 from modules.codec import CodecError, encode
 from tests.conftest import ADMIN, JOIN, FakeClock
@@ -92,12 +100,15 @@ def test_staging_contract(store: BlobStore, tmp_path: Path) -> None:
     store.stage_file(body, key)
     assert not body.exists()  # consumed
     assert not store.exists(digest)
-    with store.open_staged(key) as (path, actual):
+    with pytest.raises(StagedChanged, match=f"the object at {key} has {len(data)} bytes, {len(data) + 1} were"):
+        with store.open_staged(key, size=len(data) + 1):
+            pass
+    with store.open_staged(key, size=len(data)) as (path, actual):
         assert actual == digest
         store.delete_staged(key)  # another executor finished first
         assert path.read_bytes() == data
-    with pytest.raises(BlobError, match="cannot be read|nothing is staged"):
-        with store.open_staged(key):
+    with pytest.raises(BlobMissing, match="nothing is staged"):
+        with store.open_staged(key, size=len(data)):
             pass
     body.write_bytes(data)
     store.stage_file(body, key)

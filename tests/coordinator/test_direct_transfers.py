@@ -4,78 +4,36 @@ apply executor verifies each upload before any math."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
-from coordinator.app import create_app
 from coordinator.client import CoordinatorClient, LeaseLost, RequestRejected, sha256_hex
 from coordinator.schemas import IslandCapabilities, LeasePublic, UploadTicket
-from coordinator.settings import Settings
-from modules import decode, encode_grad
-from tests.conftest import ADMIN, JOIN, FakeClock
+from modules import encode_grad
+from tests.conftest import JOIN
+from tests.coordinator.direct_helpers import byte_counter, island_client, outer_grads
 from tests.coordinator.helpers import A, create_running_run, eventually, wait_applied
-
-BUCKET = "dipaco-direct"
-
-
-@pytest.fixture
-def direct(tmp_path: Path, s3_env: str, clock: FakeClock) -> Iterator[TestClient]:
-    import boto3
-
-    boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=BUCKET)
-    settings = Settings(
-        data_dir=tmp_path / "coordinator",
-        database_url=f"sqlite:///{tmp_path / 'direct.db'}",
-        blob_url=f"s3://{BUCKET}/{tmp_path.name}",
-        s3_endpoint_url=s3_env,
-        admin_token=ADMIN,  # type: ignore[arg-type]
-        join_token=JOIN,  # type: ignore[arg-type]
-    )
-    with TestClient(create_app(settings, clock=clock)) as client:
-        yield client
-
-
-def _island(app: TestClient, name: str) -> CoordinatorClient:
-    island = CoordinatorClient(str(app.base_url), JOIN, http=app)
-    island.join(name, "site", IslandCapabilities())
-    return island
-
-
-def _grads(app: TestClient, island: CoordinatorClient, lease: LeasePublic) -> dict[str, torch.Tensor]:
-    """Outer gradients shaped like the lease's modules, whose weights come straight from the bucket."""
-    gen = torch.Generator().manual_seed(lease.lease_id)
-    grads = {}
-    for m in lease.modules:
-        weights = decode(island.module_weights(m.module_id, m.version, m.weights_hash, url=m.url))
-        grads.update({f"{m.level_name}/{k}": torch.randn(v.shape, generator=gen) * 1e-3 for k, v in weights.items()})
-    return grads
 
 
 def _bytes_through(app: TestClient, kind: str, direction: str) -> float:
-    for line in app.get("/metrics").text.splitlines():
-        if line.startswith(f'dipaco_bytes_{direction}_total{{kind="{kind}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return byte_counter(app.get("/metrics").text, direction, kind) or 0.0
 
 
 def test_a_round_moves_every_tensor_byte_between_islands_and_the_bucket(direct: TestClient) -> None:
     run = create_running_run(direct, name="direct", codec="int8")
     uploads: list[Any] = []
     for p in range(run["num_paths"]):
-        island = _island(direct, f"island-{p}")
+        island = island_client(direct, f"island-{p}")
         lease = island.lease()
         assert lease is not None and lease.direct_upload
         assert all(m.url and m.url.startswith("http://127.0.0.1") for m in lease.modules) and lease.shard.url
-        # what the island does: weights (in _grads) and tokens from the bucket, verified against their hashes
+        # what the island does: weights (in outer_grads) and tokens from the bucket, verified against their hashes
         island.shard_tokens(lease.shard.shard_id, lease.shard.tokens_hash, url=lease.shard.url)
-        payload = encode_grad(_grads(direct, island, lease), "int8")
+        payload = encode_grad(outer_grads(island, lease), "int8")
         uploads.append(island.upload_direct(lease, payload, tokens=64, train_loss=4.0))
     assert uploads[-1].round_applied
     wait_applied(direct, run["id"])
@@ -91,10 +49,10 @@ def test_a_round_moves_every_tensor_byte_between_islands_and_the_bucket(direct: 
 
 def test_a_commit_without_a_put_a_foreign_key_and_a_replay(direct: TestClient) -> None:
     create_running_run(direct, name="commits")
-    island = _island(direct, "committer")
+    island = island_client(direct, "committer")
     lease = island.lease()
     assert lease is not None
-    payload = encode_grad(_grads(direct, island, lease), "fp32")
+    payload = encode_grad(outer_grads(island, lease), "fp32")
     # a commit before any PUT
     digest = sha256_hex(payload)
     ticket = island.call(
@@ -141,7 +99,7 @@ def test_a_put_refused_as_expired_gets_a_new_url(direct: TestClient) -> None:
     assert lease is not None and lease.modules[0].url is not None
     assert "Expires=" in lease.modules[0].url or "X-Amz-Expires=900" in lease.modules[0].url
     contribution = island.upload_direct(
-        lease, encode_grad(_grads(direct, island, lease), "fp32"), tokens=1, train_loss=1.0
+        lease, encode_grad(outer_grads(island, lease), "fp32"), tokens=1, train_loss=1.0
     )
     assert len(refused) == 1 and contribution.lease_id == lease.lease_id
 
@@ -152,10 +110,10 @@ def test_a_wrong_digest_is_refused_by_the_executor_and_changes_no_module(direct:
     run = create_running_run(direct, name="liar", num_rounds=1)
     liar_lease: LeasePublic | None = None
     for p in range(run["num_paths"]):
-        island = _island(direct, f"liar-{p}")
+        island = island_client(direct, f"liar-{p}")
         lease = island.lease()
         assert lease is not None
-        payload = encode_grad(_grads(direct, island, lease), "fp32")
+        payload = encode_grad(outer_grads(island, lease), "fp32")
         if p == 0:
             liar_lease = lease
             honest = payload
@@ -210,14 +168,14 @@ def test_a_commit_reads_the_header_in_one_get_or_two(
 ) -> None:
     """The commit reads size and header with one ranged GET; a header longer than that first read takes a second
     one, and the upload is accepted either way."""
-    from coordinator.services import uploads
+    from coordinator.services import direct as direct_module
 
-    monkeypatch.setattr(uploads, "STAGED_HEAD_READ", first_read)
+    monkeypatch.setattr(direct_module, "STAGED_HEAD_READ", first_read)
     create_running_run(direct, name=f"head-{first_read}")
-    island = _island(direct, "reader")
+    island = island_client(direct, "reader")
     lease = island.lease()
     assert lease is not None
-    payload = encode_grad(_grads(direct, island, lease), "fp32")
+    payload = encode_grad(outer_grads(island, lease), "fp32")
     assert int.from_bytes(payload[:8], "little") > 16  # the header is longer than the short first read
     contribution = island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
     assert contribution.status == "accepted"
@@ -242,13 +200,67 @@ def test_a_held_out_slice_comes_from_the_bucket_and_its_loss_goes_with_the_commi
     body = np.arange(100, dtype="<u2").tobytes()
     r = direct.post(f"/v1/runs/{run['id']}/shards/0/heldout?num_documents=1", content=body, headers=A)
     assert r.status_code == 201, r.text
-    island = _island(direct, "held")
+    island = island_client(direct, "held")
     lease = island.lease()
     assert lease is not None and lease.heldout is not None and lease.heldout.url is not None
     assert lease.heldout.url.startswith("http://127.0.0.1")  # the bucket, not the coordinator
     assert island.heldout_tokens(lease.heldout.shard_id, lease.heldout.tokens_hash, url=lease.heldout.url) == body
-    payload = encode_grad(_grads(direct, island, lease), "fp32")
+    payload = encode_grad(outer_grads(island, lease), "fp32")
     contribution = island.upload_direct(lease, payload, tokens=1, train_loss=1.0, heldout_loss=3.5)
     assert contribution.heldout_loss == 3.5
     history = direct.get(f"/v1/runs/{run['id']}/history", headers=A).json()
     assert history["data"][0]["losses"][0]["heldout_loss"] == 3.5
+
+
+def test_an_accepted_direct_upload_passes_no_outer_gradient_byte_through_the_coordinator(direct: TestClient) -> None:
+    """The byte counters show every kind from the start, and the outer-gradient one stays at 0 while a direct upload
+    is accepted: its bytes went from the island to the bucket, and from the bucket to the executor."""
+    run = create_running_run(direct, name="counted")
+    before = direct.get("/metrics").text
+    assert [byte_counter(before, "in", kind) for kind in ("outer_gradient", "shard")] == [0.0, 400 * 2 * 4]
+    assert byte_counter(before, "out", "weights") == 0.0 and byte_counter(before, "out", "shard") == 0.0
+    island = island_client(direct, "counted")
+    lease = island.lease()
+    assert lease is not None and lease.direct_upload
+    payload = encode_grad(outer_grads(island, lease), "fp32")
+    contribution = island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
+    assert contribution.status == "accepted" and contribution.run_id == run["id"]
+    after = direct.get("/metrics").text
+    assert 'dipaco_contributions_total{result="accepted"} 1.0' in after
+    assert byte_counter(after, "in", "outer_gradient") == 0.0
+    assert byte_counter(after, "out", "weights") == 0.0  # the island read the weights from the bucket too
+
+
+def test_a_get_the_bucket_refuses_falls_back_to_the_coordinator(
+    direct: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pre-signed GET that the bucket refuses (403: the URL expired; moto never expires URLs, so the refusal
+    comes from a MockTransport in front of it) is fetched from the coordinator's own endpoint instead, with one
+    log line each: weights, shard tokens and the held-out slice."""
+    run = create_running_run(direct, name="refused-gets", layout="embed:shared, b0-1:routed1, head:shared")
+    heldout = np.arange(100, dtype="<u2").tobytes()
+    r = direct.post(f"/v1/runs/{run['id']}/shards/0/heldout?num_documents=1", content=heldout, headers=A)
+    assert r.status_code == 201, r.text
+    refused: list[str] = []
+
+    def expired(request: httpx.Request) -> httpx.Response:
+        refused.append(str(request.url))
+        return httpx.Response(403, text="<Error><Code>AccessDenied</Code><Message>Request has expired</Message>")
+
+    island = island_client(direct, "late-reader", external=httpx.Client(transport=httpx.MockTransport(expired)))
+    lease = island.lease()
+    assert lease is not None and lease.heldout is not None and lease.shard.url is not None
+    caplog.set_level("WARNING", logger="coordinator.client")
+    weights = [island.module_weights(m.module_id, m.version, m.weights_hash, url=m.url) for m in lease.modules]
+    assert [sha256_hex(w) for w in weights] == [m.weights_hash for m in lease.modules]
+    tokens = island.shard_tokens(lease.shard.shard_id, lease.shard.tokens_hash, url=lease.shard.url)
+    assert sha256_hex(tokens) == lease.shard.tokens_hash
+    assert island.heldout_tokens(lease.heldout.shard_id, lease.heldout.tokens_hash, url=lease.heldout.url) == heldout
+    assert len(refused) == len(lease.modules) + 2  # each asked of the bucket once
+    lines = [rec.getMessage() for rec in caplog.records if "refused the pre-signed GET" in rec.getMessage()]
+    assert len(lines) == len(lease.modules) + 2
+    assert all("(HTTP 403: " in line and "fetching it from the coordinator instead" in line for line in lines)
+    # the bytes came through the coordinator this time
+    metrics = direct.get("/metrics").text
+    assert byte_counter(metrics, "out", "weights") == sum(len(w) for w in weights)
+    assert byte_counter(metrics, "out", "shard") == len(tokens) + len(heldout)

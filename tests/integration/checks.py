@@ -9,10 +9,11 @@ import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from coordinator.blobstore import LocalBlobStore
+from coordinator.blobstore import BlobStore, LocalBlobStore
 from coordinator.db import make_engine, make_sessionmaker
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
 from coordinator.services.runs import run_schedule
+from coordinator.services.staging import REFUSED
 from coordinator.states import RoundStatus, RunStatus
 from modules import (
     OuterConfig,
@@ -26,12 +27,15 @@ from modules import (
 from modules.asynchrony import Damping, staleness_weight
 
 
-def verify_run(database_url: str, blob_dir: Path, run_id: int) -> None:
+def verify_run(database_url: str, blobs: Path | BlobStore, run_id: int) -> None:
     """Every round applied exactly once, and every module version equal to the outer round of the run's
     `OuterConfig` (`modules.RoundAccumulator`) over the outer gradients of the paths through that module,
     recomputed from the stored uploads. An async module: one version per period, each the fold of the parts
-    that joined it (damped by their staleness), every part in exactly one period."""
-    blobs = LocalBlobStore(blob_dir)
+    that joined it (damped by their staleness), every part in exactly one period.
+
+    `blobs`: the run's blob store (a local directory, or any `BlobStore`, e.g. an s3:// one); every upload must
+    have its content name there (nothing left staged) and every staged name be gone."""
+    blobs = LocalBlobStore(blobs) if isinstance(blobs, Path) else blobs
     engine = make_engine(database_url)
     try:
         with make_sessionmaker(engine)() as session:
@@ -40,6 +44,8 @@ def verify_run(database_url: str, blob_dir: Path, run_id: int) -> None:
             damping = run_schedule(run).damping
             rounds = session.scalars(select(Round).where(Round.run_id == run_id).order_by(Round.number)).all()
             assert run.status == RunStatus.FINISHED
+            staged = session.scalars(select(Contribution.staged_key).where(Contribution.run_id == run_id)).all()
+            assert staged == [None] * len(staged), staged  # every upload verified (or refused) by an executor
             if run.schedule == "async":  # no rounds
                 assert run.current_round == 0 and rounds == []
             else:
@@ -70,17 +76,17 @@ def verify_run(database_url: str, blob_dir: Path, run_id: int) -> None:
         engine.dispose()
 
 
-def _weights(blobs: LocalBlobStore, digest: str) -> dict[str, torch.Tensor]:
+def _weights(blobs: BlobStore, digest: str) -> dict[str, torch.Tensor]:
     return decode(blobs.get_bytes(digest))
 
 
-def _momentum(blobs: LocalBlobStore, version: ModuleVersion) -> dict[str, torch.Tensor] | None:
+def _momentum(blobs: BlobStore, version: ModuleVersion) -> dict[str, torch.Tensor] | None:
     return decode(blobs.get_bytes(version.momentum_hash)) if version.momentum_hash else None
 
 
 def _recompute(
     session: Session,
-    blobs: LocalBlobStore,
+    blobs: BlobStore,
     outer: OuterConfig,
     damping: Damping,
     module_id: int,
@@ -89,13 +95,17 @@ def _recompute(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """The module's step `rnd` (a round, or an async period), from the stored uploads: norms measured again,
     outlier factors as `outlier_scales` gives them (a part refused for a non-finite step must say so), damped
-    by staleness, folded in path order, then arrival."""
-    parts = session.execute(
+    by staleness, folded in path order, then arrival. Parts of uploads refused at verification (a direct upload
+    that did not hash to its name, was gone or changed) have no blob and stay out, at scale 0."""
+    rows = session.execute(
         select(ContributionGrad, Contribution.tokens)
         .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
         .where(ContributionGrad.module_id == module_id, ContributionGrad.step == rnd)
         .order_by(Contribution.path_id, Contribution.id)
     ).all()
+    refused = [row for row, _ in rows if (row.note or "").startswith(REFUSED)]
+    assert all(row.scale == 0 for row in refused), (module_id, rnd)
+    parts = [(row, tokens) for row, tokens in rows if row not in refused]
     assert parts, (module_id, rnd)
     params = _weights(blobs, base.weights_hash)
     # any codec; sparse rows scattered to the module's shapes (each row averaged over the parts that sent it)
