@@ -330,46 +330,64 @@ def lease_steps(session: Session, run: Run, island_id: int) -> int:
 
     Speed: tokens per second of wall time from lease to accepted upload over the island's last
     `RECENT_LEASES` leases of the run; an island with none yet is compared by its join probe
-    (`capabilities.tokens_per_s`) to the median probe of the other active islands."""
+    (`capabilities.tokens_per_s`) to the median probe of the run's other islands (`_probes`)."""
     low, high = inner_step_bounds(run)
     if low == high:
         return run.inner_steps
-    speeds = _recent_speeds(session, run.id)
+    speeds = _recent_speeds(session, run)
     if island_id in speeds:
         ratio = speeds[island_id] / statistics.median(speeds.values())
     else:
-        probes = _probes(session, island_id)
+        probes = _probes(session, run.id, island_id)
         own = probes.pop(island_id, None)
         ratio = own / statistics.median(probes.values()) if own and probes else 1.0
     return max(low, min(high, round(run.inner_steps * ratio)))
 
 
-def _recent_speeds(session: Session, run_id: int) -> dict[int, float]:
-    """island id -> tokens/s over its last `RECENT_LEASES` accepted leases of the run (recent leases only)."""
+def _recent_speeds(session: Session, run: Run) -> dict[int, float]:
+    """island id -> tokens/s over its last `RECENT_LEASES` accepted leases of the run (recent leases only).
+
+    The tokens are the lease's own (its H x batch x seq_len, what the coordinator handed out), not the count the
+    island sent with its upload: that one is the island's word (a client may send 0, or any number, where the
+    run's weighting does not use it), and an island's H must not follow what it says of itself."""
+    per_step = run.config["inner"]["batch_size"] * run.config["model"]["seq_len"]
     rows = session.execute(
-        select(Lease.island_id, Contribution.tokens, Lease.issued_at, Contribution.created_at)
+        select(
+            Lease.island_id, func.coalesce(Lease.inner_steps, run.inner_steps), Lease.issued_at, Contribution.created_at
+        )
         .join(Contribution, Contribution.lease_id == Lease.id)
-        .where(Lease.run_id == run_id)
+        .where(Lease.run_id == run.id)
         .order_by(Contribution.id.desc())
         .limit(64)
     ).all()
     tokens: dict[int, float] = {}
     seconds: dict[int, float] = {}
     seen: dict[int, int] = {}
-    for island, n, issued, done in rows:
+    for island, steps, issued, done in rows:
         if seen.get(island, 0) >= RECENT_LEASES:
             continue
         seen[island] = seen.get(island, 0) + 1
-        tokens[island] = tokens.get(island, 0.0) + n
+        tokens[island] = tokens.get(island, 0.0) + steps * per_step
         seconds[island] = seconds.get(island, 0.0) + max((as_utc(done) - as_utc(issued)).total_seconds(), 1e-3)
     return {island: tokens[island] / seconds[island] for island in tokens if tokens[island] > 0}
 
 
-def _probes(session: Session, island_id: int) -> dict[int, float]:
-    """island id -> `capabilities.tokens_per_s` of this island and of the other active islands."""
+def _probes(session: Session, run_id: int, island_id: int) -> dict[int, float]:
+    """island id -> `capabilities.tokens_per_s` of this island and of the run's other active islands: those that
+    have leased in the run, and those that have leased in none yet (they take this run's work as soon as any).
+
+    The probe times the same reference model (the debug flavour) on every island, so probes compare devices
+    whatever the runs' model sizes. But an island that has only ever worked on other runs is left out: islands
+    serve the oldest run first and keep their home paths, so one coordinator's runs can be trained by different
+    islands (the GPUs on one, the CPUs on another), and another run's islands would set this run's median, e.g.
+    every CPU island's first lease cut to `min_inner_steps` against GPUs that never lease here."""
+    leased = select(Lease.run_id).where(Lease.island_id == Island.id)
+    here = leased.where(Lease.run_id == run_id).exists()
     probes: dict[int, float] = {}
     for island, capabilities in session.execute(
-        select(Island.id, Island.capabilities).where(or_(Island.id == island_id, Island.status == IslandStatus.ACTIVE))
+        select(Island.id, Island.capabilities).where(
+            or_(Island.id == island_id, and_(Island.status == IslandStatus.ACTIVE, or_(here, ~leased.exists())))
+        )
     ):
         value = capabilities.get("tokens_per_s") if isinstance(capabilities, dict) else None
         if isinstance(value, int | float) and value > 0:

@@ -226,6 +226,65 @@ def test_dynamic_local_updates_scale_each_lease_with_its_island_speed(
     assert (fast_again["path_index"], fast_again["inner_steps"], fast_again["first_step"]) == (1, 6, 8)
 
 
+def _join_probed(client: TestClient, name: str, speed: float) -> tuple[int, dict[str, str]]:
+    r = client.post("/v1/islands", json={"name": name, "capabilities": {"tokens_per_s": speed}}, headers=J)
+    assert r.status_code == 201, r.text
+    return r.json()["island_id"], {"Authorization": f"Bearer {r.json()['token']}"}
+
+
+def test_a_first_lease_is_scaled_against_the_run_s_islands_not_another_run_s(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    """Two runs on one coordinator: four fast islands (probe 1600) hold every path of the older run, slow ones
+    (probes 100, 200) train the newer async run with dynamic H. The fast islands never lease in it, so their
+    probes do not set its median (they did: every slow island's first lease was cut to min_inner_steps)."""
+    client = no_executors
+    older = create_running_run(client, name="older")  # round levels, 4 paths
+    fast = [_join_probed(client, f"gpu-{i}", 1600.0) for i in range(4)]
+    assert [body["run_id"] for body in (lease(client, *f) for f in fast) if body] == [older["id"]] * 4
+    run = create_running_run(client, name="dlu", sync="async", inner_steps=4, num_rounds=6, min_inner_steps=2,
+                             max_inner_steps=8)  # fmt: skip
+    slow = _join_probed(client, "cpu-slow", 100.0)
+    first = lease(client, *slow)
+    assert first is not None and first["run_id"] == run["id"]
+    assert first["inner_steps"] == 4  # the only island of the run: the run's H (it was 2: 4 x 100/1600, clamped)
+    faster = _join_probed(client, "cpu-fast", 200.0)
+    second = lease(client, *faster)
+    assert second is not None and second["run_id"] == run["id"]
+    assert second["inner_steps"] == 8  # 4 x 200/100 against the run's other island (it was 2: 4 x 200/1600)
+    # an island that has leased nowhere yet counts too (this run's work may be its first): the median of 100,
+    # 200 and its 1000 is 200
+    _join_probed(client, "cpu-new", 1000.0)
+    third = lease(client, *_join_probed(client, "cpu-last", 300.0))
+    assert third is not None and third["run_id"] == run["id"]
+    assert third["inner_steps"] == 6  # 4 x 300/200 (it was 2: 4 x 300/1600, clamped)
+
+
+def test_an_island_s_speed_is_measured_on_its_lease_not_the_tokens_it_reports(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    """Two islands alike (same probe, same wall time); one says it trained 100x the tokens of its lease. Its next
+    H is the same as the other's: the coordinator counts the tokens it leased (it used to give it max_inner_steps
+    and the honest island min_inner_steps)."""
+    client = no_executors
+    create_running_run(client, name="dlu", sync="async", inner_steps=4, num_rounds=6, min_inner_steps=2,
+                       max_inner_steps=8)  # fmt: skip
+    (honest, honest_h), (liar, liar_h) = _join_probed(client, "honest", 100.0), _join_probed(client, "liar", 100.0)
+    first = {
+        name: lease(client, island, h) for name, island, h in (("honest", honest, honest_h), ("liar", liar, liar_h))
+    }
+    assert all(body is not None and body["inner_steps"] == 4 for body in first.values())
+    clock.advance(10)
+    for name, h, factor in (("honest", honest_h, 1), ("liar", liar_h, 100)):
+        body = first[name]
+        assert body is not None
+        tokens = body["inner_steps"] * body["inner"]["batch_size"] * body["model"]["seq_len"] * factor
+        assert upload(client, body, h, train_lease(client, body, h), tokens=tokens).status_code == 200
+    assert app_executor(client, clock).work() == 1  # the routed module paths 0 and 1 share
+    again = [lease(client, honest, honest_h), lease(client, liar, liar_h)]
+    assert [body["inner_steps"] for body in again if body] == [4, 4]
+
+
 def test_an_async_island_keeps_its_path_across_a_module_step(no_executors: TestClient, clock: FakeClock) -> None:
     """Its AdamW state and error-feedback residual live with its path: while a module of that path waits for an
     executor the island waits too (it used to take another path cold), and another island does not take the

@@ -11,10 +11,10 @@ from sqlalchemy.orm import Session
 
 from coordinator.blobstore import BlobStore, LocalBlobStore
 from coordinator.db import make_engine, make_sessionmaker
-from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, Round, Run
+from coordinator.models import Contribution, ContributionGrad, Module, ModuleVersion, PathModule, Round, Run
 from coordinator.services.runs import run_schedule
 from coordinator.services.staging import REFUSED
-from coordinator.states import RoundStatus, RunStatus
+from coordinator.states import ContributionStatus, RoundStatus, RunStatus
 from modules import (
     OuterConfig,
     RoundAccumulator,
@@ -52,6 +52,7 @@ def verify_run(database_url: str, blobs: Path | BlobStore, run_id: int) -> None:
                 assert run.current_round == run.num_rounds
                 applied = [(n, RoundStatus.APPLIED) for n in range(run.num_rounds)]
                 assert [(r.number, r.status) for r in rounds] == applied
+            check_parts_in_applied_steps(session, run_id)
             for module in session.scalars(select(Module).where(Module.run_id == run_id)):
                 history = session.scalars(
                     select(ModuleVersion).where(ModuleVersion.module_id == module.id).order_by(ModuleVersion.version)
@@ -74,6 +75,49 @@ def verify_run(database_url: str, blobs: Path | BlobStore, run_id: int) -> None:
                             torch.testing.assert_close(got_m[k], want_m[k], rtol=0, atol=1e-6)
     finally:
         engine.dispose()
+
+
+def check_parts_in_applied_steps(session: Session, run_id: int) -> None:
+    """Every accepted contribution has one part per module of its path, and each part joined one module step that
+    was applied: a round level's part its contribution's round (staleness 0), an async level's part a period at
+    or after the version its lease trained from (staleness: the steps between). Refused uploads (409) leave no
+    contribution; a part refused at verification or by the apply (scale 0) is still in its step."""
+    applied = set(
+        session.execute(
+            select(ModuleVersion.module_id, ModuleVersion.round)
+            .join(Module, Module.id == ModuleVersion.module_id)
+            .where(Module.run_id == run_id, ModuleVersion.round.is_not(None))
+        )
+    )
+    async_modules = set(
+        session.scalars(select(Module.id).where(Module.run_id == run_id, Module.period_size.is_not(None)))
+    )
+    path_modules: dict[int, set[int]] = {}
+    for path_id, module_id in session.execute(
+        select(PathModule.path_id, PathModule.module_id)
+        .join(Module, Module.id == PathModule.module_id)
+        .where(Module.run_id == run_id)
+    ):
+        path_modules.setdefault(path_id, set()).add(module_id)
+    parts: dict[int, set[int]] = {}
+    for contribution, part in session.execute(
+        select(Contribution, ContributionGrad)
+        .join(ContributionGrad, ContributionGrad.contribution_id == Contribution.id)
+        .where(Contribution.run_id == run_id, Contribution.status == ContributionStatus.ACCEPTED)
+    ):
+        where = f"contribution {contribution.id} module {part.module_id}"
+        assert part.step is not None, f"{where}: the part joined no step"
+        assert (part.module_id, part.step) in applied, f"{where}: the part joined step {part.step}, never applied"
+        if part.module_id in async_modules:
+            assert part.base_version is not None and part.staleness == part.step - part.base_version, where
+        else:
+            assert (part.step, part.staleness) == (contribution.round, 0), where
+        parts.setdefault(contribution.id, set()).add(part.module_id)
+    for contribution in session.scalars(
+        select(Contribution).where(Contribution.run_id == run_id, Contribution.status == ContributionStatus.ACCEPTED)
+    ):
+        got, want = sorted(parts.get(contribution.id, set())), sorted(path_modules[contribution.path_id])
+        assert got == want, f"contribution {contribution.id} has parts for modules {got}, its path uses {want}"
 
 
 def _weights(blobs: BlobStore, digest: str) -> dict[str, torch.Tensor]:
