@@ -17,7 +17,7 @@ released) leaves a gap before the next claim, which is issued again first, as it
 number, so a late upload of the old lease and the new one cannot both be accepted): every token range is still
 trained once per epoch. A lease whose range would not fit in the rest of the shard starts the next epoch, also
 while claims of the current one are out (the cursor crosses into the next epoch only where no range was given
-back).
+back; a lease that would wrap where one was given back at the cursor takes that range again, as it was).
 """
 
 from __future__ import annotations
@@ -245,8 +245,22 @@ def _span(
     need = tokens_per_lease(run, steps)
     num_tokens = session.scalar(select(Shard.num_tokens).where(Shard.run_id == run.id, Shard.path_index == path.index))
     assert num_tokens is not None
-    start, end, epoch = wrap_range(offset, epoch, need, num_tokens)
-    return Span(start, end, epoch, _new_round(session, path), steps, candidate.progress, shared)
+    start, end, next_epoch = wrap_range(offset, epoch, need, num_tokens)
+    if next_epoch > epoch:
+        # A range given back at the cursor would be a gap before the next epoch's claims (`_walk` crosses into
+        # it only where none was): issue it again as it was instead, so its round number stays its own.
+        back = _given_back(session, path.id, epoch, offset, now=now)
+        if back is not None:
+            return _again(run, path, epoch, offset, back, shared=shared)
+    return Span(start, end, next_epoch, _new_round(session, path), steps, candidate.progress, shared)
+
+
+def _again(run: Run, path: Path, epoch: int, start: int, found: Any, *, shared: bool) -> Span:
+    """The range a lease gave back (`_given_back`'s row), issued again as it was: same range, H, round and first
+    step."""
+    round_, steps, first_step, end = found
+    first = path.steps_done if first_step is None else first_step
+    return Span(start, int(end), epoch, round_, steps or run.inner_steps, first, shared)
 
 
 def _gap(
@@ -266,9 +280,7 @@ def _gap(
         if found is not None and found[3] != end:
             found = None
     if found is not None:
-        round_, steps, first_step, _ = found
-        first = path.steps_done if first_step is None else first_step
-        return Span(start, end, gap_epoch, round_, steps or run.inner_steps, first, shared)
+        return _again(run, path, gap_epoch, start, found, shared=shared)
     # Not one lease's range: an expired lease delivered late after its range was issued again with another H.
     # The gap is still whole inner steps (every range is H x batch x seq_len + 1 tokens): issue it as is.
     per_step = tokens_per_lease(run, 1) - 1
