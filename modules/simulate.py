@@ -51,6 +51,7 @@ import torch
 from modules.codec import ErrorFeedback, GradCodec, decode_grad, encode_grad
 from modules.compose import compose_state, init_level_modules, split_state
 from modules.config import ModelConfig
+from modules.cursor import next_range
 from modules.layout import Layout
 from modules.model import PathModel
 from modules.outer import (
@@ -75,15 +76,6 @@ class SimulationResult:
     """modules[level][module]: final weights."""
     momentum: list[list[Tensors | None]]
     """momentum[level][module]: final outer Nesterov buffer (None with `method="average"`)."""
-
-
-def next_range(offset: int, *, length: int, steps: int, batch_size: int, seq_len: int) -> tuple[int, int]:
-    """(start of this round's range, next offset) of a path cursor; wraps to 0 when the range won't fit."""
-    stride = steps * batch_size * seq_len
-    if stride + 1 > length:
-        raise ValueError(f"token array of {length} tokens is shorter than one round's {stride + 1}")
-    start = 0 if offset + stride + 1 > length else offset
-    return start, start + stride
 
 
 def simulate(
