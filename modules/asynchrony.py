@@ -47,7 +47,7 @@ from typing import Literal
 
 import torch
 
-from modules.codec import ErrorFeedback, GradCodec
+from modules.codec import ErrorFeedback, GradCodec, received_grads
 from modules.compose import compose_state, init_level_modules, split_state
 from modules.config import ModelConfig
 from modules.cursor import fitting_steps, next_range
@@ -61,7 +61,6 @@ from modules.outer import (
     outlier_scales,
     pseudo_gradient,
 )
-from modules.simulate import _through_codec
 from modules.sparse_rows import check_sparse_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
@@ -258,6 +257,7 @@ def simulate_async(
         for lv, m in enumerate(choice[p]):
             modules[lv][m].users += 1
     paths = [_PathState() for _ in range(num_paths)]
+    names = [level.name for level in layout.levels]
     trainers: dict[tuple[int, int], _Trainer] = {}
 
     def trainer(island: int, path: int) -> _Trainer:
@@ -330,9 +330,9 @@ def simulate_async(
         first_step = state.steps_done if lease.first_step is None else lease.first_step
         losses = train_steps(work.model, work.optimizer, batches, inner, first_step=first_step)
         trained = split_state({n: t.detach().clone() for n, t in work.model.state_dict().items()}, layout)
-        grads = _through_codec(
+        grads = received_grads(
             [pseudo_gradient(lease.base[lv], trained[lv]) for lv in range(len(lease.base))],
-            layout, codec, work.feedback, rows=touched_rows(batches, cfg.vocab_size) if sparse_rows else None,
+            names, codec, work.feedback, rows=touched_rows(batches, cfg.vocab_size) if sparse_rows else None,
         )  # fmt: skip
         staleness = [
             modules[lv][m].version - lease.versions[lv] if modes[lv] == "async" else 0
