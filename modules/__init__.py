@@ -1,5 +1,6 @@
 """The modular model and the pure DiPaCo / DiLoCo math. Knows nothing about HTTP or SQL."""
 
+from modules.asynchrony import AsyncResult, AsyncSettings, simulate_async
 from modules.codec import (
     GRAD_CODECS,
     CodecError,
@@ -36,6 +37,8 @@ from modules.sparse_rows import expand_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, heldout_loss, make_optimizer, train_steps
 
 __all__ = [
+    "AsyncResult",
+    "AsyncSettings",
     "CodecError",
     "ErrorFeedback",
     "FLAVOURS",
@@ -79,6 +82,7 @@ __all__ = [
     "pseudo_gradient",
     "rescale",
     "simulate",
+    "simulate_async",
     "split_state",
     "touched_rows",
     "train_steps",

@@ -31,10 +31,11 @@ End of the run
     with a partly filled period takes one last step on what it has.
 
 `simulate_async` replays a schedule of lease and upload events (deterministic for a given order): a lease
-takes the modules' current weights; its upload trains H steps from them, then joins each async module's
-current period (a filled period steps at once) and each round module's round (applied when every path has
-contributed). The service holds back a lease on a module whose step is waiting for an executor, so for the
-same order it sees the same versions.
+takes the modules' current weights and, unless it names its range, the path's next one (`modules.cursor`: with
+every level async a lease that does not fit takes the shard's tail with fewer steps, as the service's do); its
+upload trains H steps from them, then joins each async module's current period (a filled period steps at once)
+and each round module's round (applied when every path has contributed). The service holds back a lease on a
+module whose step is waiting for an executor, so for the same order it sees the same versions.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ from typing import Literal
 
 import torch
 
-from modules.codec import ErrorFeedback, GradCodec
+from modules.codec import ErrorFeedback, GradCodec, received_grads
 from modules.compose import compose_state, init_level_modules, split_state
 from modules.config import ModelConfig
+from modules.cursor import fitting_steps, next_range
 from modules.layout import Layout, Mode
 from modules.model import PathModel
 from modules.outer import (
@@ -59,7 +61,6 @@ from modules.outer import (
     outlier_scales,
     pseudo_gradient,
 )
-from modules.simulate import _through_codec, next_range
 from modules.sparse_rows import check_sparse_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
@@ -98,6 +99,9 @@ class AsyncSettings:
     max_staleness: int = 4
     damping: Damping = "inverse"
     dn_period: int | None = None
+    min_inner_steps: int | None = None
+    """All-async runs: the fewest inner steps a lease takes the tail of a shard with (`modules.cursor.fitting_steps`;
+    None: 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +117,9 @@ class Lease:
     """The module versions (one per level) the lease trains from; None: the current ones. A replay of a service
     run names them, so the order of lease events among uploads does not matter."""
     start: int | None = None
-    """The first token of its range; None: where the path's accepted leases end (one lease per path at once)."""
+    """The first token of its range; None: where the path's accepted leases end (one lease per path at once),
+    and with every level async a lease that does not fit in the rest of the shard takes the tail with fewer steps
+    (`modules.cursor.fitting_steps`)."""
     first_step: int | None = None
     """Its first global inner step (the LR schedule); None: the path's accepted steps."""
     key: int | None = None
@@ -135,6 +141,10 @@ class Accepted:
     path: int
     loss: float
     tokens: int
+    start: int
+    """The first token of its range."""
+    steps: int
+    """Its inner steps (fewer than its lease event's when it took a shard's tail)."""
     base_versions: list[int]
     """Per level: the version of the path's module its lease trained from."""
     staleness: list[int]
@@ -247,6 +257,7 @@ def simulate_async(
         for lv, m in enumerate(choice[p]):
             modules[lv][m].users += 1
     paths = [_PathState() for _ in range(num_paths)]
+    names = [level.name for level in layout.levels]
     trainers: dict[tuple[int, int], _Trainer] = {}
 
     def trainer(island: int, path: int) -> _Trainer:
@@ -279,12 +290,19 @@ def simulate_async(
             if event.key in state.leases:
                 named = "a lease" if event.key is None else f"lease {event.key}"
                 raise ValueError(f"path {event.path} already holds {named}")
-            start = event.start
+            start, steps = event.start, event.steps
             if start is None:
-                start, _ = next_range(
-                    state.offset, length=tokens[event.path].numel(), steps=event.steps,
-                    batch_size=inner.batch_size, seq_len=cfg.seq_len,
+                length = tokens[event.path].numel()
+                fitted = 0 if has_rounds else fitting_steps(  # round leases keep the round's H and wrap
+                    state.offset, length=length, steps=steps, per_step=inner.batch_size * cfg.seq_len,
+                    min_steps=settings.min_inner_steps,
                 )  # fmt: skip
+                if fitted:
+                    start, steps = state.offset, fitted
+                else:
+                    start, _ = next_range(
+                        state.offset, length=length, steps=steps, batch_size=inner.batch_size, seq_len=cfg.seq_len
+                    )
             mine = [modules[lv][m] for lv, m in enumerate(choice[event.path])]
             versions = list(event.versions) if event.versions is not None else [mod.version for mod in mine]
             if len(versions) != len(mine) or any(
@@ -293,7 +311,7 @@ def simulate_async(
                 raise ValueError(f"lease of path {event.path}: versions {versions} do not exist")
             base = [mod.history[v] for v, mod in zip(versions, mine, strict=True)]
             state.leases[event.key] = _HeldLease(
-                steps=event.steps, start=start, base=base, versions=versions, round=current_round,
+                steps=steps, start=start, base=base, versions=versions, round=current_round,
                 island=event.island, first_step=event.first_step,
             )  # fmt: skip
             continue
@@ -312,9 +330,9 @@ def simulate_async(
         first_step = state.steps_done if lease.first_step is None else lease.first_step
         losses = train_steps(work.model, work.optimizer, batches, inner, first_step=first_step)
         trained = split_state({n: t.detach().clone() for n, t in work.model.state_dict().items()}, layout)
-        grads = _through_codec(
+        grads = received_grads(
             [pseudo_gradient(lease.base[lv], trained[lv]) for lv in range(len(lease.base))],
-            layout, codec, work.feedback, rows=touched_rows(batches, cfg.vocab_size) if sparse_rows else None,
+            names, codec, work.feedback, rows=touched_rows(batches, cfg.vocab_size) if sparse_rows else None,
         )  # fmt: skip
         staleness = [
             modules[lv][m].version - lease.versions[lv] if modes[lv] == "async" else 0
@@ -324,6 +342,8 @@ def simulate_async(
             path=event.path,
             loss=sum(losses) / len(losses),
             tokens=span,
+            start=lease.start,
+            steps=lease.steps,
             base_versions=list(lease.versions),
             staleness=staleness,
         )

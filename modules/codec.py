@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from modules.sparse_rows import expand_rows, is_rows, rows_name
+from modules.sparse_rows import SPARSE_LEVEL, SPARSE_PARAM, expand_rows, is_rows, rows_name
 
 DEFAULT_ALLOWED = frozenset({"F32"})
 
@@ -256,6 +256,30 @@ def encode_grad(
     if error_feedback is not None:
         error_feedback.record(sent, expand_rows(decode_grad(data), sent))  # zeros on the rows not sent
     return data
+
+
+def received_grads(
+    grads: Sequence[Mapping[str, torch.Tensor]],
+    level_names: Sequence[str],
+    codec: GradCodec,
+    feedback: ErrorFeedback,
+    *,
+    rows: torch.Tensor | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """A worker's outer gradients (one mapping per level, levels named `level_names`) as the coordinator receives
+    them: encoded with `codec` and the worker's error feedback, exactly as an island encodes its upload (one
+    payload, tensors named `<level>/<param>`), decoded. With `rows` (sparse rows) the embedding goes as those
+    rows, and comes back as a sparse part. The simulators' upload (`modules.simulate`, `modules.asynchrony`)."""
+    if codec == "fp32" and rows is None:
+        return [dict(g) for g in grads]
+    names = list(level_names)[: len(grads)]
+    flat = {f"{names[lv]}/{param}": t for lv, g in enumerate(grads) for param, t in g.items()}
+    sparse = {f"{SPARSE_LEVEL}/{SPARSE_PARAM}": rows} if rows is not None else None
+    decoded = expand_rows(decode_grad(encode_grad(flat, codec, error_feedback=feedback, rows=sparse)), flat)
+    return [
+        {name[len(names[lv]) + 1 :]: t for name, t in decoded.items() if name.startswith(f"{names[lv]}/")}
+        for lv in range(len(grads))
+    ]
 
 
 def decode_grad(data: bytes) -> dict[str, torch.Tensor]:

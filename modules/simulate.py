@@ -39,6 +39,11 @@ Replicas (`replicas=R`, DiLoCo's data-parallel workers)
     AdamW, and seed `seed + p * R + j`. Each worker's outer gradient is one contribution (weight `path_weights[p]`).
     With a layout whose levels are all shared (one path) and R workers this is exactly DiLoCo (arXiv 2311.08105,
     Alg. 1). With R = 1 (the default) everything above is unchanged.
+
+Async and hybrid schedules (`simulate_async`, `AsyncSettings`, events `Lease` and `Upload`)
+    The reference for runs with async levels replays an arrival order of leases and uploads instead of rounds;
+    its rules live in `modules.asynchrony` and are re-exported here, so both references are in this module. In
+    round order, with periods of a module's users, it is `simulate` bit for bit.
 """
 
 from __future__ import annotations
@@ -48,9 +53,11 @@ from dataclasses import dataclass
 
 import torch
 
-from modules.codec import ErrorFeedback, GradCodec, decode_grad, encode_grad
+from modules.asynchrony import AsyncResult, AsyncSettings, Lease, Upload, simulate_async
+from modules.codec import ErrorFeedback, GradCodec, received_grads
 from modules.compose import compose_state, init_level_modules, split_state
 from modules.config import ModelConfig
+from modules.cursor import next_range
 from modules.layout import Layout
 from modules.model import PathModel
 from modules.outer import (
@@ -61,10 +68,21 @@ from modules.outer import (
     outlier_scales,
     pseudo_gradient,
 )
-from modules.sparse_rows import SPARSE_LEVEL, SPARSE_PARAM, check_sparse_rows, expand_rows, touched_rows
+from modules.sparse_rows import check_sparse_rows, touched_rows
 from modules.train import InnerConfig, batches_from_tokens, make_optimizer, train_steps
 
 Tensors = dict[str, torch.Tensor]
+
+__all__ = [
+    "AsyncResult",
+    "AsyncSettings",
+    "Lease",
+    "SimulationResult",
+    "Upload",
+    "next_range",
+    "simulate",
+    "simulate_async",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,15 +93,6 @@ class SimulationResult:
     """modules[level][module]: final weights."""
     momentum: list[list[Tensors | None]]
     """momentum[level][module]: final outer Nesterov buffer (None with `method="average"`)."""
-
-
-def next_range(offset: int, *, length: int, steps: int, batch_size: int, seq_len: int) -> tuple[int, int]:
-    """(start of this round's range, next offset) of a path cursor; wraps to 0 when the range won't fit."""
-    stride = steps * batch_size * seq_len
-    if stride + 1 > length:
-        raise ValueError(f"token array of {length} tokens is shorter than one round's {stride + 1}")
-    start = 0 if offset + stride + 1 > length else offset
-    return start, start + stride
 
 
 def simulate(
@@ -137,6 +146,7 @@ def simulate(
     offsets = [0] * workers
     feedback = [ErrorFeedback() for _ in range(workers)]  # the codec's residual, kept per worker as islands do
     losses: list[list[float]] = []
+    names = [level.name for level in layout.levels]
 
     for r in range(rounds):
         worker_losses: list[float] = []
@@ -164,7 +174,7 @@ def simulate(
             trained = split_state({n: t.detach().clone() for n, t in models[p].state_dict().items()}, layout)
             outer_grads = [pseudo_gradient(base[lv], trained[lv]) for lv in range(len(base))]
             rows = touched_rows(batches, cfg.vocab_size) if sparse_rows else None
-            grads.append(_through_codec(outer_grads, layout, codec, feedback[p], rows=rows))
+            grads.append(received_grads(outer_grads, names, codec, feedback[p], rows=rows))
         for lv, mods in enumerate(modules):
             for m in range(len(mods)):
                 users = [w for w in range(workers) if choice[w][lv] == m]
@@ -176,26 +186,3 @@ def simulate(
         # a path's loss is the mean over its workers
         losses.append([sum(worker_losses[p * replicas : (p + 1) * replicas]) / replicas for p in range(num_paths)])
     return SimulationResult(losses=losses, modules=modules, momentum=momentum)
-
-
-def _through_codec(
-    grads: list[Tensors],
-    layout: Layout,
-    codec: GradCodec,
-    feedback: ErrorFeedback,
-    *,
-    rows: torch.Tensor | None = None,
-) -> list[Tensors]:
-    """A worker's outer gradients as the coordinator receives them: encoded with `codec` and the worker's error
-    feedback, exactly as an island encodes its upload (one payload, tensors named `<level>/<param>`), decoded.
-    With `rows` (sparse rows) the embedding goes as those rows, and comes back as a sparse part."""
-    if codec == "fp32" and rows is None:
-        return grads
-    names = [layout.levels[lv].name for lv in range(len(grads))]
-    flat = {f"{names[lv]}/{param}": t for lv, g in enumerate(grads) for param, t in g.items()}
-    sparse = {f"{SPARSE_LEVEL}/{SPARSE_PARAM}": rows} if rows is not None else None
-    decoded = expand_rows(decode_grad(encode_grad(flat, codec, error_feedback=feedback, rows=sparse)), flat)
-    return [
-        {name[len(names[lv]) + 1 :]: t for name, t in decoded.items() if name.startswith(f"{names[lv]}/")}
-        for lv in range(len(grads))
-    ]

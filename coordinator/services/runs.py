@@ -73,6 +73,7 @@ def run_schedule(run: Run) -> AsyncSettings:
         max_staleness=schedule.get("max_staleness", 4),
         damping=schedule.get("staleness_damping", "inverse"),
         dn_period=schedule.get("dn_period"),
+        min_inner_steps=schedule.get("min_inner_steps"),
     )
 
 

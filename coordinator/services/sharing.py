@@ -15,10 +15,11 @@ it (pending, or accepted out of order) are *claims*: a new lease starts after th
 the cursor over the accepted claims that continue it, in order (`advance_cursor`). A range given back (expired,
 released) leaves a gap before the next claim, which is issued again first, as it was (same range, H and round
 number, so a late upload of the old lease and the new one cannot both be accepted): every token range is still
-trained once per epoch. A lease whose range would not fit in the rest of the shard starts the next epoch, also
-while claims of the current one are out (the cursor crosses into the next epoch only where no range was given
-back).
-"""
+trained once per epoch. A lease whose range would not fit in the rest of the shard takes the tail with fewer
+whole steps when at least `min_inner_steps` (1 when unset) fit (`modules.cursor.fitting_steps`), else starts the
+next epoch, also while claims of the current one are out (the cursor crosses into the next epoch only where no
+range was given back; a lease that would wrap where one was given back at the cursor takes that range again, as
+it was)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ from sqlalchemy import Select, and_, func, literal, or_, select
 from sqlalchemy.orm import Session
 
 from coordinator.models import Island, Lease, ModuleStep, Path, PathModule, Run, Shard
-from coordinator.services.runs import path_leases, tokens_per_lease
+from coordinator.services.runs import path_leases, run_schedule, tokens_per_lease
 from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, StepStatus
+from modules.cursor import fitting_steps
 
 
 def stepping(path_id: object) -> Any:
@@ -235,18 +237,37 @@ def plan_lease(
 def _span(
     session: Session, run: Run, path: Path, candidate: _Candidate, *, now: datetime, budget: int, wanted: int
 ) -> Span | None:
-    """The path's next span: the first gap before its claims, else the range after them (the next epoch's
-    first when the rest of the shard is too short)."""
+    """The path's next span: the first gap before its claims, else the range after them: when the rest of the
+    shard is too short for it, the tail in fewer whole steps if at least `min_inner_steps` fit
+    (`modules.cursor.fitting_steps`), else the next epoch's first."""
     epoch, offset, blocker = _walk(session, path, _claims(session, path, now=now), now=now)
     shared = candidate.held > 0
     if blocker is not None:
         return _gap(session, run, path, epoch, offset, blocker, now=now, shared=shared)
     steps = min(wanted, budget - candidate.progress)
-    need = tokens_per_lease(run, steps)
     num_tokens = session.scalar(select(Shard.num_tokens).where(Shard.run_id == run.id, Shard.path_index == path.index))
     assert num_tokens is not None
-    start, end, epoch = wrap_range(offset, epoch, need, num_tokens)
+    per_step = tokens_per_lease(run, 1) - 1
+    min_steps = run_schedule(run).min_inner_steps
+    fitted = fitting_steps(offset, length=num_tokens, steps=steps, per_step=per_step, min_steps=min_steps)
+    if fitted:
+        end = offset + tokens_per_lease(run, fitted)
+        return Span(offset, end, epoch, _new_round(session, path), fitted, candidate.progress, shared)
+    # A range given back at the cursor would be a gap before the next epoch's claims (`_walk` crosses into it
+    # only where none was): issue it again as it was instead, so its round number stays its own.
+    back = _given_back(session, path.id, epoch, offset, now=now)
+    if back is not None:
+        return _again(run, path, epoch, offset, back, shared=shared)
+    start, end, epoch = wrap_range(offset, epoch, tokens_per_lease(run, steps), num_tokens)
     return Span(start, end, epoch, _new_round(session, path), steps, candidate.progress, shared)
+
+
+def _again(run: Run, path: Path, epoch: int, start: int, found: Any, *, shared: bool) -> Span:
+    """The range a lease gave back (`_given_back`'s row), issued again as it was: same range, H, round and first
+    step."""
+    round_, steps, first_step, end = found
+    first = path.steps_done if first_step is None else first_step
+    return Span(start, int(end), epoch, round_, steps or run.inner_steps, first, shared)
 
 
 def _gap(
@@ -266,9 +287,7 @@ def _gap(
         if found is not None and found[3] != end:
             found = None
     if found is not None:
-        round_, steps, first_step, _ = found
-        first = path.steps_done if first_step is None else first_step
-        return Span(start, end, gap_epoch, round_, steps or run.inner_steps, first, shared)
+        return _again(run, path, gap_epoch, start, found, shared=shared)
     # Not one lease's range: an expired lease delivered late after its range was issued again with another H.
     # The gap is still whole inner steps (every range is H x batch x seq_len + 1 tokens): issue it as is.
     per_step = tokens_per_lease(run, 1) - 1

@@ -195,8 +195,9 @@ def test_dynamic_local_updates_scale_each_lease_with_its_island_speed(
     """Joined with probes of 400 and 100 tokens/s, the slow island's first lease is a quarter as long (clamped
     to the bounds); once it has uploaded, its measured speed decides."""
     client = no_executors
+    # 600 tokens: fast's second lease (H 6 from 256) fits whole, not cut to the shard's tail
     run = create_running_run(client, name="dlu", sync="async", inner_steps=4, num_rounds=6, min_inner_steps=2,
-                             max_inner_steps=8)  # fmt: skip
+                             max_inner_steps=8, num_tokens=600)  # fmt: skip
     ids = []
     for name, speed in (("fast", 400.0), ("slow", 100.0)):
         r = client.post("/v1/islands", json={"name": name, "capabilities": {"tokens_per_s": speed}}, headers=J)
@@ -283,6 +284,42 @@ def test_an_island_s_speed_is_measured_on_its_lease_not_the_tokens_it_reports(
     assert app_executor(client, clock).work() == 1  # the routed module paths 0 and 1 share
     again = [lease(client, honest, honest_h), lease(client, liar, liar_h)]
     assert [body["inner_steps"] for body in again if body] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    ("spec", "ranges"),
+    [
+        # async, fixed H 4: the 88 tokens after 512 hold 2 steps (64 + 1), taken by a lease of 2 steps
+        ({"sync": "async"}, [(0, 0, 4), (0, 128, 4), (0, 256, 4), (0, 384, 4), (0, 512, 2), (1, 0, 4), (1, 128, 2)]),
+        # async, min_inner_steps 3: 2 steps are too few, the lease starts the next epoch
+        (
+            {"sync": "async", "min_inner_steps": 3, "max_inner_steps": 8},
+            [(0, 0, 4), (0, 128, 4), (0, 256, 4), (0, 384, 4), (1, 0, 4), (1, 128, 4)],
+        ),
+        # round: H is the round's, the lease starts the next epoch
+        ({"sync": "round"}, [(0, 0, 4), (0, 128, 4), (0, 256, 4), (0, 384, 4), (1, 0, 4), (1, 128, 4)]),
+    ],
+    ids=["async", "async-min-steps", "round"],
+)
+def test_an_async_lease_takes_the_shard_tail_in_fewer_steps(
+    no_executors: TestClient, clock: FakeClock, spec: dict[str, Any], ranges: list[tuple[int, int, int]]
+) -> None:
+    """A 600-token shard, leases of H 4 (129 tokens): after 4 leases 88 tokens are left. An async lease takes them
+    with as many whole steps as fit (2) when that is at least min_inner_steps (1 when unset); a round lease
+    starts the next epoch."""
+    client = no_executors
+    run = create_running_run(client, name="tail", num_tokens=600, layout="embed:shared, b0-1:shared, head:shared",
+                             inner_steps=4, num_rounds=6, **spec)  # fmt: skip
+    island_id, h = join(client)
+    got = []
+    while (body := lease(client, island_id, h)) is not None:
+        got.append((body["epoch"], body["token_start"], body["inner_steps"]))
+        assert body["token_end"] == body["token_start"] + body["inner_steps"] * 2 * 16 + 1
+        assert _train_and_upload(client, body, h).status_code == 200
+        while app_executor(client, clock).work():
+            pass
+    assert got == ranges
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["status"] == "finished"
 
 
 def test_an_async_island_keeps_its_path_across_a_module_step(no_executors: TestClient, clock: FakeClock) -> None:

@@ -1,15 +1,19 @@
-"""An all-async run through the service equals the reference replaying the same arrival order
+"""An all-async run, and a hybrid one, through the service equal the reference replaying the same arrival order
 (`modules.asynchrony.simulate_async`): two island processes train a 2x2 whose levels are all async, each path
 leasing again as soon as its upload is accepted, with int8 uploads and error feedback, with dense and with sparse
-embedding rows. The order in which the coordinator accepted the uploads, and the module versions each lease
-trained from, are read back from the registry (REST); the reference replays them and must give every upload's
-train loss, every part's staleness and every module's final weights and version. Which uploads arrive stale
-depends on the timing of the two processes; the replay does not, so the test holds for any timing. Island-1
-stalls 1 s in each of its leases (island fault injection) while island-0's uploads step the shared modules under
-it: some uploads are stale whatever the machine's load. ~20-40 s each."""
+embedding rows, with one and two leases per path; and a 2x2 whose shared embedding and head are async while the
+routed blocks step per round. The order in which the coordinator
+accepted the uploads, and the module versions each lease trained from, are read back from the registry (REST);
+the reference replays them and must give every upload's train loss, every part's staleness and every module's
+final weights and version. Which uploads arrive stale depends on the timing of the two processes; the replay does
+not, so the test holds for any timing. Island-1 stalls 5 s in each of its leases (island fault injection) while
+island-0's uploads step the shared modules under it: some uploads are stale whatever the machine's load. SQLite,
+and PostgreSQL for the shared-paths and hybrid cases (the busiest on the database: two leases on one path, round
+closes next to async steps). ~15-30 s each on either database."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,15 +41,20 @@ SPEC: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-def database_url(tmp_path: Any) -> str:
-    return f"sqlite:///{tmp_path / 'registry.db'}"
+SQLITE = "sqlite"
+POSTGRES = pytest.param("postgres", marks=pytest.mark.postgres)
 
 
 @pytest.mark.parametrize(
-    ("sparse_rows", "damping", "path_leases"),
-    [(False, "inverse", 1), (True, "inverse_square", 1), (False, "inverse", 2)],
-    ids=["dense", "sparse-rows", "shared-paths"],
+    ("database_url", "sparse_rows", "damping", "path_leases"),
+    [
+        (SQLITE, False, "inverse", 1),
+        (SQLITE, True, "inverse_square", 1),
+        (SQLITE, False, "inverse", 2),
+        (POSTGRES, False, "inverse", 2),
+    ],
+    ids=["dense", "sparse-rows", "shared-paths", "shared-paths-postgres"],
+    indirect=["database_url"],
 )
 def test_async_service_equals_the_replayed_reference(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch, sparse_rows: bool, damping: Damping, path_leases: int
@@ -55,6 +64,49 @@ def test_async_service_equals_the_replayed_reference(
     case also damps stale contributions by 1/(1+s)^2 instead of 1/(1+s). With `path_leases` 2, island-0 helps
     the path island-1's stalled leases hold back (path sharing): two leases train one path at once, on
     consecutive ranges, and may be accepted out of order."""
+    spec = {**SPEC, "sparse_rows": sparse_rows, "staleness_damping": damping, "path_leases": path_leases}
+    got = _run(cluster, monkeypatch, spec)
+    assert got.run["config"]["sparse_rows"] is sparse_rows
+    assert got.run["schedule"] == "async" and len(got.contributions) == 4 * 3  # 3 leases of H=4 per path, no rounds
+    assert any(x["shared"] for x in got.leases.values()) is (path_leases > 1)
+    _equals_reference(got, spec, AsyncSettings(sync="async", max_staleness=16, dn_period=2, damping=damping))
+
+
+HYBRID = {
+    **SPEC,
+    "name": "hybrid-matches-simulator",
+    "layout": "embed:shared:async, b0-0:routed2, b1-1:routed2, head:shared:async",
+    "sync": "round",
+    "dn_period": 5,  # 12 parts a module: two periods straddle rounds, the last 2 are flushed by the last round
+}
+
+
+@pytest.mark.parametrize("database_url", [SQLITE, POSTGRES], indirect=True)
+def test_hybrid_service_equals_the_replayed_reference(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Persia's split: the shared embedding and head async (a step every 5 parts, whoever sends them), the routed
+    blocks per round (every path each round, applied at its close). Island-1 stalls in each of its leases while
+    island-0 trains the round's other paths, so its parts on the async levels arrive stale; the replay of the
+    arrival order (rounds and periods together) gives every loss, staleness, version and final weight."""
+    got = _run(cluster, monkeypatch, HYBRID)
+    assert got.run["schedule"] == "hybrid" and got.run["current_round"] == 3
+    assert len(got.contributions) == 4 * 3  # every path once a round
+    assert sorted(c["round"] for c in got.contributions) == [r for r in range(3) for _ in range(4)]
+    _equals_reference(got, HYBRID, AsyncSettings(sync="round", max_staleness=16, dn_period=5))
+
+
+@dataclass
+class _Finished:
+    run: dict[str, Any]
+    tokens: list[torch.Tensor]
+    leases: dict[int, dict[str, Any]]
+    contributions: list[dict[str, Any]]
+    modules: list[dict[str, Any]]
+    weights: dict[tuple[int, int], dict[str, torch.Tensor]]
+
+
+def _run(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]) -> _Finished:
+    """Two islands (island-1 stalling 5 s in each lease) train the run `spec` to its end; what the registry
+    says of it."""
     cluster.start_coordinator()
     with cluster.admin() as client:
         islands = [cluster.start_island("island-0")]
@@ -62,7 +114,6 @@ def test_async_service_equals_the_replayed_reference(
             env.setenv(STALL_ENV, "*:2:5.0")  # island-0 fills a period (2 uploads) during each of these leases
             islands.append(cluster.start_island("island-1"))
         wait_islands_joined(client, 2)
-        spec = {**SPEC, "sparse_rows": sparse_rows, "staleness_damping": damping, "path_leases": path_leases}
         run_id = create_run(client, spec, num_tokens=600)
         run = wait_finished(cluster, client, run_id)
         paths = client.get("/v1/paths", params={"run_id": run_id}).json()["data"]
@@ -81,20 +132,23 @@ def test_async_service_equals_the_replayed_reference(
         }
     assert all(proc.poll() in (None, 0) for proc in islands)
     assert refused == []
-    assert run["config"]["sparse_rows"] is sparse_rows
-    assert run["schedule"] == "async" and len(contributions) == 4 * 3  # 3 leases of H=4 per path, no rounds
     # island-0 uploads while island-1's leases stall
     assert any(m["staleness"] > 0 for c in contributions for m in c["modules"])
-    assert any(x["shared"] for x in leases.values()) is (path_leases > 1)
+    return _Finished(run, tokens, leases, contributions, modules, weights)
 
+
+def _equals_reference(got: _Finished, spec: dict[str, Any], settings: AsyncSettings) -> None:
+    """The reference replaying the arrival order gives every upload's loss and staleness, every module's
+    version and final weights."""
     # the arrival order: accepted uploads by id (the order their transactions took the modules' locks); each
     # lease just before its own upload, naming the versions it trained from, its range and its first step
-    module_level = {m["id"]: m["level"] for m in modules}
+    module_level = {m["id"]: m["level"] for m in got.modules}
     events: list[Lease | Upload] = []
-    for c in sorted(contributions, key=lambda c: c["id"]):
-        lease = leases[c["lease_id"]]
+    by_arrival = sorted(got.contributions, key=lambda c: c["id"])
+    for c in by_arrival:
+        lease = got.leases[c["lease_id"]]
         versions = {module_level[m["module_id"]]: m["base_version"] for m in c["modules"]}
-        steps = lease["inner_steps"] or SPEC["inner_steps"]
+        steps = lease["inner_steps"] or spec["inner_steps"]
         base = tuple(versions[lv] for lv in range(4))
         events += [
             Lease(
@@ -103,27 +157,27 @@ def test_async_service_equals_the_replayed_reference(
             ),
             Upload(c["path_index"], key=lease["id"]),
         ]  # fmt: skip
-    cfg = ModelConfig.from_dict(run["config"]["model"])
+    config = got.run["config"]
+    cfg = ModelConfig.from_dict(config["model"])
     ref = simulate_async(
         cfg,
-        parse_layout(SPEC["layout"], n_layers=cfg.n_layers),
-        InnerConfig(**run["config"]["inner"]),
-        OuterConfig(**run["config"]["outer"]),
-        AsyncSettings(sync="async", max_staleness=16, dn_period=2, damping=damping),
+        parse_layout(spec["layout"], n_layers=cfg.n_layers),
+        InnerConfig(**config["inner"]),
+        OuterConfig(**config["outer"]),
+        settings,
         events=events,
-        budget_steps=3 * 4,
+        budget_steps=spec["num_rounds"] * spec["inner_steps"],
         seed=0,
-        tokens=tokens,
-        codec=run["config"]["codec"],
-        sparse_rows=run["config"]["sparse_rows"],
+        tokens=got.tokens,
+        codec=config["codec"],
+        sparse_rows=config["sparse_rows"],
     )
-    by_arrival = sorted(contributions, key=lambda c: c["id"])
-    for got, want in zip(by_arrival, ref.uploads, strict=True):
-        assert got["train_loss"] == pytest.approx(want.loss, abs=1e-4), got
-        assert [m["staleness"] for m in got["modules"]] == want.staleness, got
-    assert {(m["level"], m["index"]): m["version"] for m in modules} == {
+    for c, want in zip(by_arrival, ref.uploads, strict=True):
+        assert c["train_loss"] == pytest.approx(want.loss, abs=1e-4), c
+        assert [m["staleness"] for m in c["modules"]] == want.staleness, c
+    assert {(m["level"], m["index"]): m["version"] for m in got.modules} == {
         (lv, i): v for lv, level in enumerate(ref.versions) for i, v in enumerate(level)
     }
-    for (level, index), got_weights in weights.items():
+    for (level, index), got_weights in got.weights.items():
         for name, want_tensor in ref.modules[level][index].items():
             torch.testing.assert_close(got_weights[name], want_tensor, rtol=0, atol=1e-4)

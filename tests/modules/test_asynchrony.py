@@ -9,6 +9,7 @@ import torch
 
 from modules import InnerConfig, ModelConfig, OuterConfig, parse_layout, simulate
 from modules.asynchrony import AsyncSettings, Lease, Upload, period_size, simulate_async, staleness_weight
+from modules.cursor import fitting_steps
 
 CFG = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4)
 INNER = InnerConfig(lr=3e-3, warmup_steps=2, total_steps=12, batch_size=2)
@@ -145,3 +146,44 @@ def test_async_lr_is_checked_and_replaces_lr_on_async_steps() -> None:
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="outer async_lr must be finite and > 0"):
             OuterConfig(async_lr=bad)
+
+
+def test_an_async_lease_that_does_not_fit_takes_the_tail_in_whole_steps() -> None:
+    """`fitting_steps`: the lease's steps when its range fits, else the whole steps the rest holds when at least
+    `min_steps` (None: 1), else 0 (the next epoch)."""
+    kw = {"length": 600, "per_step": 32}
+    assert fitting_steps(384, steps=4, min_steps=None, **kw) == 4  # 384 + 129 = 513 <= 600
+    assert fitting_steps(512, steps=4, min_steps=None, **kw) == 2  # 88 tokens: 2 x 32 + 1 fit
+    assert fitting_steps(512, steps=4, min_steps=2, **kw) == 2
+    assert fitting_steps(512, steps=4, min_steps=3, **kw) == 0
+    assert fitting_steps(576, steps=4, min_steps=None, **kw) == 0  # 24 tokens: not one step
+    assert fitting_steps(567, steps=1, min_steps=None, **kw) == 1  # 567 + 33 = 600: exactly fits
+
+
+@pytest.mark.parametrize(
+    ("sync", "min_steps", "steps", "ranges"),
+    [
+        ("async", None, [4] * 6 + [2], [(0, 4), (128, 4), (256, 4), (384, 4), (512, 2), (0, 4), (128, 2)]),
+        ("async", 3, [4] * 6, [(0, 4), (128, 4), (256, 4), (384, 4), (0, 4), (128, 4)]),
+        ("round", None, [4] * 6, [(0, 4), (128, 4), (256, 4), (384, 4), (0, 4), (128, 4)]),
+    ],
+    ids=["async", "async-min-steps", "round"],
+)
+def test_the_reference_takes_the_shard_tail_as_the_service_does(
+    sync: str, min_steps: int | None, steps: list[int], ranges: list[tuple[int, int]]
+) -> None:
+    """A 600-token shard and leases of H 4 that name no range: after 4 leases 88 tokens are left; an async lease
+    takes them in 2 steps unless min_inner_steps is more (the service's leases in
+    tests/coordinator/test_async_levels.py, `test_an_async_lease_takes_the_shard_tail_in_fewer_steps`); a round
+    lease starts the next epoch."""
+    layout = parse_layout("embed:shared, b0-1:shared, head:shared", n_layers=2)
+    events: list[Lease | Upload] = []
+    for h in steps:
+        events += [Lease(0, h), Upload(0)]
+    got = simulate_async(
+        CFG, layout, InnerConfig(lr=3e-3, warmup_steps=2, total_steps=24, batch_size=2), OUTER,
+        AsyncSettings(sync=sync, min_inner_steps=min_steps),  # type: ignore[arg-type]
+        events=events, budget_steps=24, seed=0, tokens=[shard(0)],
+    )  # fmt: skip
+    assert [(u.start, u.steps) for u in got.uploads] == ranges
+    assert [u.tokens for u in got.uploads] == [h * 2 * CFG.seq_len for _, h in ranges]
