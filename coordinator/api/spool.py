@@ -28,13 +28,32 @@ from fastapi.concurrency import run_in_threadpool
 from coordinator.errors import PayloadTooLarge
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Spooled:
     """A request body on local disk, with its sha256 computed while it streamed in (None when not asked for)."""
 
     path: Path
     sha256: str | None
     size: int
+    unsynced: int | None = None
+    """A small body's file, still open and not yet synced (`spool_body(defer_sync=True)`): `sync` it on the worker
+    thread that goes on to take the request's locks; `close` it in any case."""
+
+    def sync(self) -> None:
+        """Make the body durable (nothing when it is already) and close its descriptor; `SpoolError` on failure."""
+        if self.unsynced is None:
+            return
+        try:
+            os.fsync(self.unsynced)
+        except OSError as exc:
+            raise SpoolError(f"spooling the request body to {self.path} failed: {exc!r}") from exc
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.unsynced is not None:
+            fd, self.unsynced = self.unsynced, None
+            os.close(fd)
 
 
 SPOOL_BUFFER = 1 << 20
@@ -171,10 +190,14 @@ async def spool_body(
     digest: bool = True,
     check: Callable[[bytes], None] | None = None,
     direct: bool = False,
+    defer_sync: bool = False,
 ) -> Spooled:
     """Stream the request body to a temporary file, refusing more than `limit` bytes; `digest`: hash it too;
     `check`: also hand it every buffer once written, in order, on the same thread (it must not raise);
-    `direct`: write a body of more than one buffer with O_DIRECT where the filesystem allows it (`_DirectWriter`).
+    `direct`: write a body of more than one buffer with O_DIRECT where the filesystem allows it (`_DirectWriter`);
+    `defer_sync`: a body under one buffer is returned unsynced, its descriptor open (`Spooled.sync`), for the
+    caller to sync on the worker thread it runs the request's transaction on, instead of on one more worker thread
+    here: under load every hop to anyio's worker threads waits its turn (docs/LOG.md, 2026-12-05).
 
     The event loop only receives and joins chunks. From the first full buffer on, hashing and writing run on a
     thread of their own (`_SpoolThread`; both release the GIL), so receiving the next bytes overlaps them; a body
@@ -203,17 +226,22 @@ async def spool_body(
                 await writer.put(b"".join(pending))  # join of one item returns it as is
                 pending, pending_size = [], 0
         rest = b"".join(pending)
+        unsynced = None
         if writer is None:  # under one buffer: well under a millisecond of work, no thread needed
             try:  # durable before the upload takes its locks; synced on a worker thread: it takes milliseconds
                 _write_all(fd, rest)
-                await run_in_threadpool(os.fsync, fd)
+                if not defer_sync:
+                    await run_in_threadpool(os.fsync, fd)
             except OSError as exc:
                 raise SpoolError(f"spooling the request body to {name} failed: {exc!r}") from exc
-            fd_open = False
-            os.close(fd)
             sha256 = hashlib.sha256(rest).hexdigest() if digest else None
             if check is not None:
                 check(rest)
+            fd_open = False
+            if defer_sync:
+                unsynced = fd
+            else:
+                os.close(fd)
         else:
             if rest:
                 await writer.put(rest)
@@ -225,7 +253,7 @@ async def spool_body(
             os.close(fd)
         Path(name).unlink(missing_ok=True)
         raise
-    return Spooled(path=Path(name), sha256=sha256, size=size)
+    return Spooled(path=Path(name), sha256=sha256, size=size, unsynced=unsynced)
 
 
 class _SpoolThread:

@@ -20,6 +20,7 @@ import torch
 
 from coordinator.api import spool as spooling
 from coordinator.schemas import GRAD_KEY_SEP
+from coordinator.services.uploads import UploadDesk
 from coordinator.settings import Settings
 from modules import ModelConfig, encode, level_param_shapes, parse_layout
 from tests.conftest import ADMIN, FakeClock
@@ -202,14 +203,15 @@ def test_write_error_on_the_spool_thread_fails_the_request_and_leaves_nothing(
         signal.signal(signal.SIGXFSZ, previous)
 
 
-def _spool_fsyncs(monkeypatch: pytest.MonkeyPatch, settings: Settings, *, fail: bool) -> list[str]:
-    """Record (or fail with EIO) the fsyncs of files under the spool directory; others run as they are."""
+def _spool_fsyncs(monkeypatch: pytest.MonkeyPatch, settings: Settings, *, fail: bool) -> list[tuple[str, int]]:
+    """Record (or fail with EIO) the fsyncs of files under the spool directory, with the thread that ran each;
+    others run as they are."""
     real, spool, seen = os.fsync, str(settings.data_dir / "spool"), []
 
     def fsync(fd: int) -> None:
         path = os.readlink(f"/proc/self/fd/{fd}")
         if path.startswith(spool):
-            seen.append(path)
+            seen.append((path, threading.get_ident()))
             if fail:
                 raise OSError(5, "Input/output error (injected)")
         real(fd)
@@ -224,19 +226,42 @@ def test_the_spool_makes_the_body_durable_and_a_failed_fsync_fails_the_upload(
     settings: Settings, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, fail: bool, threaded: bool
 ) -> None:
     # before the upload takes its locks (`put_file`'s fsync then has nothing left to flush); a body under one
-    # buffer is written in place and synced on a worker thread
+    # buffer is written in place and synced on the worker thread that then runs `accept` (one hop, not two)
     if not threaded:
         monkeypatch.setattr(spooling, "SPOOL_BUFFER", 8 << 20)
     with served(settings, clock) as url, httpx.Client(base_url=url, timeout=60) as http:
         lease, h = running_lease(http)
         payload = outer_gradients(lease)
         synced = _spool_fsyncs(monkeypatch, settings, fail=fail)
+        accepting: list[tuple[int, int]] = []  # (thread, spool fsyncs before it)
+        real_accept = UploadDesk.accept
+
+        def accept(desk: UploadDesk, upload: Any) -> Any:
+            accepting.append((threading.get_ident(), len(synced)))
+            return real_accept(desk, upload)
+
+        monkeypatch.setattr(UploadDesk, "accept", accept)
+        hops: list[object] = []  # the spool's own trips to a worker thread
+        real_hop = spooling.run_in_threadpool
+
+        async def hop(func: Any, *args: Any) -> Any:
+            hops.append(func)
+            return await real_hop(func, *args)
+
+        monkeypatch.setattr(spooling, "run_in_threadpool", hop)
         r = http.post(
             f"/v1/leases/{lease['lease_id']}/outer-gradients",
             content=payload,
             headers={**upload_headers(lease, h), "Content-Length": str(len(payload))},
         )
         assert len(synced) >= 1  # the spool file
+        if not fail:
+            assert len(accepting) == 1 and accepting[0][1] >= 1  # synced before `accept` began
+            if not threaded:
+                assert synced[0][1] == accepting[0][0]  # on the thread that then ran `accept`
+                assert hops == []  # and not on a worker thread of its own first: under load each hop queues
+        else:
+            assert accepting == []  # a body that could not be made durable is never offered
         assert r.status_code == (500 if fail else 200), r.text
         if fail:
             assert "could not store the body" in r.json()["detail"] and "Input/output error" in r.json()["detail"]

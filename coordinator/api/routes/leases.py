@@ -112,27 +112,34 @@ async def upload_outer_gradients(
             digest=claimed is None or not large,
             check=None if stream is None else stream.update,
             direct=state.settings.spool_direct,
-        )
-        state.metrics.bytes_in.labels(kind="outer_gradient").inc(body.size)
-        digest = body.sha256 if body.sha256 is not None else claimed
-        assert digest is not None  # spooled with digest=True when none was named
-        upload = Upload(
-            lease_id=lease_id,
-            island_id=principal.island_id,
-            round=round_header,
-            tokens=tokens,
-            train_loss=loss,
-            heldout_loss=heldout,
-            body=body.path,
-            body_sha256=digest,
-            size=body.size,
-            hashed=body.sha256 is not None,
-            claimed_sha256=claimed,
-            stream=stream,
+            defer_sync=True,
         )
         try:
-            return await run_in_threadpool(state.uploads.accept, upload)
+            state.metrics.bytes_in.labels(kind="outer_gradient").inc(body.size)
+            digest = body.sha256 if body.sha256 is not None else claimed
+            assert digest is not None  # spooled with digest=True when none was named
+            upload = Upload(
+                lease_id=lease_id,
+                island_id=principal.island_id,
+                round=round_header,
+                tokens=tokens,
+                train_loss=loss,
+                heldout_loss=heldout,
+                body=body.path,
+                body_sha256=digest,
+                size=body.size,
+                hashed=body.sha256 is not None,
+                claimed_sha256=claimed,
+                stream=stream,
+            )
+
+            def accept() -> ContributionPublic:
+                body.sync()  # durable before `accept` takes its locks, on the thread that runs it (one hop, not two)
+                return state.uploads.accept(upload)
+
+            return await run_in_threadpool(accept)
         finally:
+            body.close()  # after the thread: a cancelled request still waits for it (anyio does not abandon it)
             body.path.unlink(missing_ok=True)  # accepted uploads were moved into the blob store already
 
 
