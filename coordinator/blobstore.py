@@ -439,43 +439,37 @@ class S3BlobStore:
 
     # -- reading parts of objects -----------------------------------------------------------------------------------
 
-    def _first_bytes(self, key: str, length: int) -> tuple[int, bytes]:
-        """An object's size and its first `length` bytes (fewer when it is shorter), in one ranged GET; raises
-        `BlobMissing` when there is no object at `key`."""
+    def _get_range(self, key: str, start: int, end: int, *, held: str = "stored") -> Any | None:
+        """The reply to a GET of bytes [start, end) of the object at `key` (its body still to be read and closed);
+        None when the object has no byte `start` (an empty one, for 0). Raises `BlobMissing` ("nothing is `held`
+        at ...") when there is no object at `key`, BlobError when the store fails."""
         from botocore.exceptions import ClientError
 
         try:
-            reply = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{length - 1}")
+            return self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
         except ClientError as exc:
             code = _code(exc)
             if code in _MISSING:
-                raise BlobMissing(f"nothing is stored at s3://{self.bucket}/{key}") from exc
-            if code in _EMPTY:  # an empty object has no byte 0
-                return 0, b""
-            raise BlobError(f"s3://{self.bucket}/{key}: {exc}") from exc
-        body = reply["Body"]
-        try:
-            data = bytes(body.read(length))  # at most what was asked for, whatever the server sends
-        finally:
-            body.close()
+                raise BlobMissing(f"nothing is {held} at s3://{self.bucket}/{key}") from exc
+            if code in _EMPTY:
+                return None
+            raise BlobError(f"s3://{self.bucket}/{key} cannot be read: {exc}") from exc
+
+    def _first_bytes(self, key: str, length: int) -> tuple[int, bytes]:
+        """An object's size and its first `length` bytes (fewer when it is shorter), in one ranged GET; raises
+        `BlobMissing` when there is no object at `key`."""
+        reply = self._get_range(key, 0, length)
+        if reply is None:  # an empty object has no byte 0
+            return 0, b""
+        data = _read_and_close(reply["Body"], length)  # at most what was asked for, whatever the server sends
         return _object_size(reply, len(data)), data
 
     def _range(self, key: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of an object, in one ranged GET."""
-        from botocore.exceptions import ClientError
-
         if end <= start:
             return b""
-        try:
-            body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
-        except ClientError as exc:
-            if _code(exc) in _MISSING:
-                raise BlobMissing(f"nothing is stored at s3://{self.bucket}/{key}") from exc
-            raise BlobError(f"s3://{self.bucket}/{key}: {exc}") from exc
-        try:
-            data = bytes(body.read(end - start))
-        finally:
-            body.close()
+        reply = self._get_range(key, start, end)
+        data = b"" if reply is None else _read_and_close(reply["Body"], end - start)
         if len(data) != end - start:
             raise BlobError(f"s3://{self.bucket}/{key}: bytes [{start}, {end}) came back as {len(data)} bytes")
         return data
@@ -497,19 +491,11 @@ class S3BlobStore:
         """Streamed from the bucket into a temporary file, hashed on the way: one GET of bytes [0, size), so an
         object written again after its commit is neither downloaded nor spooled beyond the committed size; its
         size (from the reply's Content-Range) is checked before its body is read."""
-        from botocore.exceptions import ClientError
-
         if size < 1:
             raise StagedChanged(key, -1, size)  # nothing committed is empty: a safetensors body has a header
-        try:
-            reply = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{size - 1}")
-        except ClientError as exc:
-            code = _code(exc)
-            if code in _MISSING:
-                raise BlobMissing(f"nothing is staged at s3://{self.bucket}/{key}") from exc
-            if code in _EMPTY:
-                raise StagedChanged(key, 0, size) from exc
-            raise BlobError(f"s3://{self.bucket}/{key} cannot be read: {exc}") from exc
+        reply = self._get_range(key, 0, size, held="staged")
+        if reply is None:
+            raise StagedChanged(key, 0, size)
         body = reply["Body"]
         with contextlib.closing(body), tempfile.TemporaryDirectory(prefix="dipaco-staged-") as tmp:
             total = _object_size(reply, -1)
@@ -618,6 +604,14 @@ class PartsRefused(BlobError):
 
 def _code(exc: Any) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _read_and_close(body: Any, length: int) -> bytes:
+    """At most `length` bytes of a GET's streaming body, which is closed then."""
+    try:
+        return bytes(body.read(length))
+    finally:
+        body.close()
 
 
 def _object_size(reply: Mapping[str, Any], default: int) -> int:
