@@ -7,9 +7,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from coordinator.blobstore import S3BlobStore
-from coordinator.client import CoordinatorClient
-from coordinator.schemas import IslandCapabilities, LeasePublic
-from modules import decode
+from coordinator.client import CoordinatorClient, sha256_hex
+from coordinator.schemas import IslandCapabilities, LeasePublic, UploadTicket
+from modules import decode, encode_grad
 from tests.conftest import JOIN
 
 
@@ -29,6 +29,26 @@ def outer_grads(island: CoordinatorClient, lease: LeasePublic, *, scale: float =
         weights = decode(island.module_weights(m.module_id, m.version, m.weights_hash, url=m.url))
         grads.update({f"{m.level_name}/{k}": torch.randn(v.shape, generator=gen) * scale for k, v in weights.items()})
     return grads
+
+
+def leased_payload(app: TestClient, name: str, **session: object) -> tuple[CoordinatorClient, LeasePublic, bytes]:
+    """A joined island (`island_client`), its first lease and an fp32 outer gradient for that lease."""
+    island = island_client(app, name, **session)
+    lease = island.lease()
+    assert lease is not None
+    return island, lease, encode_grad(outer_grads(island, lease), "fp32")
+
+
+def request_ticket(island: CoordinatorClient, lease: LeasePublic, payload: bytes) -> UploadTicket:
+    """The lease's direct-upload ticket for `payload` (its size and sha256), asked for by hand: the tests that
+    PUT or commit otherwise than `CoordinatorClient.upload_direct` does."""
+    return island.call(
+        "POST",
+        f"/v1/leases/{lease.lease_id}/upload-url",
+        UploadTicket,
+        what="ticket",
+        json={"size": len(payload), "sha256": sha256_hex(payload)},
+    )
 
 
 def app_blobs(app: TestClient) -> S3BlobStore:

@@ -21,9 +21,8 @@ from coordinator.client import CoordinatorClient, sha256_hex
 from coordinator.schemas import LeasePublic, UploadTicket
 from coordinator.services.staging import sweep_staging
 from coordinator.settings import Settings
-from modules import encode_grad
 from tests.conftest import FakeClock
-from tests.coordinator.direct_helpers import app_blobs, island_client, outer_grads
+from tests.coordinator.direct_helpers import app_blobs, island_client, leased_payload, request_ticket
 from tests.coordinator.helpers import A, create_running_run, wait_applied
 
 PART = 5 << 20
@@ -44,22 +43,10 @@ def _wide_lease(
     app: TestClient, name: str, **session: Any
 ) -> tuple[dict[str, Any], CoordinatorClient, LeasePublic, bytes]:
     run = create_running_run(app, name=name, num_rounds=1, model=WIDE, layout=ONE_PATH)
-    island = island_client(app, name, **session)
-    lease = island.lease()
-    assert lease is not None and lease.direct_upload
-    payload = encode_grad(outer_grads(island, lease), "fp32")
+    island, lease, payload = leased_payload(app, name, **session)
+    assert lease.direct_upload
     assert 2 * PART < len(payload) < 3 * PART
     return run, island, lease, payload
-
-
-def _ticket(island: CoordinatorClient, lease: LeasePublic, payload: bytes) -> UploadTicket:
-    return island.call(
-        "POST",
-        f"/v1/leases/{lease.lease_id}/upload-url",
-        UploadTicket,
-        what="ticket",
-        json={"size": len(payload), "sha256": sha256_hex(payload)},
-    )
 
 
 def _put_parts(ticket: UploadTicket, payload: bytes) -> list[dict[str, Any]]:
@@ -119,9 +106,9 @@ def test_a_ticket_is_one_put_below_the_threshold_and_parts_above_it(multipart: T
     island = island_client(multipart, "tickets")
     lease = island.lease()
     assert lease is not None
-    small = _ticket(island, lease, b"\0" * 1000)
+    small = request_ticket(island, lease, b"\0" * 1000)
     assert small.url is not None and small.upload_id is None and small.parts == []
-    large = _ticket(island, lease, b"\0" * ((6 << 20) + 3))
+    large = request_ticket(island, lease, b"\0" * ((6 << 20) + 3))
     assert large.url is None and large.upload_id
     assert [(p.number, p.offset, p.size) for p in large.parts] == [(1, 0, PART), (2, PART, (1 << 20) + 3)]
     assert all(f"partNumber={p.number}" in p.url and "uploadId=" in p.url for p in large.parts)
@@ -130,7 +117,7 @@ def test_a_ticket_is_one_put_below_the_threshold_and_parts_above_it(multipart: T
 def test_a_bad_parts_list_is_refused_and_changes_nothing(multipart: TestClient) -> None:
     run, island, lease, payload = _wide_lease(multipart, "bad-parts")
     blobs = app_blobs(multipart)
-    ticket = _ticket(island, lease, payload)
+    ticket = request_ticket(island, lease, payload)
     parts = _put_parts(ticket, payload)
     commit_url = f"/v1/leases/{lease.lease_id}/commit"
     # out of order: refused at the edge, the upload left as it is
@@ -158,7 +145,7 @@ def test_a_commit_retried_after_its_parts_were_joined_is_accepted(multipart: Tes
     """A commit that joined the parts and then failed (a 5xx, a lost answer) is sent again: the upload id is gone,
     the object is there with the committed size, and that is the join done."""
     _, island, lease, payload = _wide_lease(multipart, "rejoin")
-    ticket = _ticket(island, lease, payload)
+    ticket = request_ticket(island, lease, payload)
     parts = _put_parts(ticket, payload)
     assert ticket.upload_id is not None
     app_blobs(multipart).complete_multipart(ticket.key, ticket.upload_id, [(p["number"], p["etag"]) for p in parts])
@@ -181,7 +168,7 @@ def test_the_sweep_aborts_unfinished_uploads_of_leases_that_are_over(multipart: 
     uploads = []
     for island, lease in zip(islands, leases, strict=True):
         assert lease is not None
-        uploads.append(_ticket(island, lease, b"\0" * (7 << 20)).upload_id)
+        uploads.append(request_ticket(island, lease, b"\0" * (7 << 20)).upload_id)
     islands[0].release(leases[0].lease_id)  # type: ignore[union-attr]
     with state.sessions() as session:
         assert sweep_staging(session, blobs, now=clock.now, grace_s=3600) == 1

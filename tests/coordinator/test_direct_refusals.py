@@ -16,13 +16,11 @@ from fastapi.testclient import TestClient
 from coordinator.app import create_app
 from coordinator.blobstore import BlobError, S3BlobStore
 from coordinator.client import sha256_hex
-from coordinator.schemas import UploadTicket
 from coordinator.services.apply import ApplyExecutor
 from coordinator.services.staging import REFUSED, STAGED_READ_ATTEMPTS, refusal_note
 from coordinator.settings import Settings
-from modules import encode_grad
 from tests.conftest import FakeClock
-from tests.coordinator.direct_helpers import app_blobs, island_client, outer_grads
+from tests.coordinator.direct_helpers import app_blobs, leased_payload, request_ticket
 from tests.coordinator.helpers import A, create_running_run, wait_applied
 
 ONE_PATH = "embed:shared, b0-1:routed1, head:shared"
@@ -65,10 +63,7 @@ def test_a_staged_upload_deleted_after_its_commit_is_refused_and_the_round_close
     blobs = app_blobs(direct)
     gone: tuple[int, str] | None = None
     for p in range(run["num_paths"]):
-        island = island_client(direct, f"gone-{p}")
-        lease = island.lease()
-        assert lease is not None
-        payload = encode_grad(outer_grads(island, lease), "fp32")
+        island, lease, payload = leased_payload(direct, f"gone-{p}")
         island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
         if p == 0:  # committed, then deleted from the bucket before the round closes
             key = blobs.staging_key(f"{lease.lease_id}-{sha256_hex(payload)}")
@@ -92,18 +87,9 @@ def test_an_upload_put_again_after_its_commit_is_refused_unread(held: TestClient
     run = create_running_run(held, name="overwritten", num_rounds=1, layout=ONE_PATH)
     before = _modules(held, run["id"])
     blobs = app_blobs(held)
-    island = island_client(held, "overwriter")
-    lease = island.lease()
-    assert lease is not None
-    payload = encode_grad(outer_grads(island, lease), "fp32")
+    island, lease, payload = leased_payload(held, "overwriter")
     digest = sha256_hex(payload)
-    ticket = island.call(
-        "POST",
-        f"/v1/leases/{lease.lease_id}/upload-url",
-        UploadTicket,
-        what="ticket",
-        json={"size": len(payload), "sha256": digest},
-    )
+    ticket = request_ticket(island, lease, payload)
     assert ticket.url is not None and httpx.put(ticket.url, content=payload).status_code == 200
     commit = {"key": ticket.key, "size": len(payload), "sha256": digest, "round": 0, "tokens": 1, "train_loss": 1.0}
     r = island.request("POST", f"/v1/leases/{lease.lease_id}/commit", what="commit", json=commit)
@@ -162,10 +148,7 @@ def test_a_staged_upload_that_cannot_be_read_is_refused_at_the_last_claim(held: 
     run = create_running_run(held, name="unreadable", num_rounds=1, layout=ONE_PATH)
     before = _modules(held, run["id"])
     real = app_blobs(held)
-    island = island_client(held, "unreadable")
-    lease = island.lease()
-    assert lease is not None
-    payload = encode_grad(outer_grads(island, lease), "fp32")
+    island, lease, payload = leased_payload(held, "unreadable")
     island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
     key = real.staging_key(f"{lease.lease_id}-{sha256_hex(payload)}")
     store = _Unreadable(bucket=real.bucket, prefix=real.prefix, client=real.client)

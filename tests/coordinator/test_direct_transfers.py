@@ -12,10 +12,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from coordinator.client import CoordinatorClient, LeaseLost, RequestRejected, sha256_hex
-from coordinator.schemas import IslandCapabilities, LeasePublic, UploadTicket
+from coordinator.schemas import IslandCapabilities, LeasePublic
 from modules import encode_grad
 from tests.conftest import JOIN
-from tests.coordinator.direct_helpers import byte_counter, island_client, outer_grads
+from tests.coordinator.direct_helpers import byte_counter, island_client, leased_payload, outer_grads, request_ticket
 from tests.coordinator.helpers import A, create_running_run, eventually, wait_applied
 
 
@@ -49,19 +49,10 @@ def test_a_round_moves_every_tensor_byte_between_islands_and_the_bucket(direct: 
 
 def test_a_commit_without_a_put_a_foreign_key_and_a_replay(direct: TestClient) -> None:
     create_running_run(direct, name="commits")
-    island = island_client(direct, "committer")
-    lease = island.lease()
-    assert lease is not None
-    payload = encode_grad(outer_grads(island, lease), "fp32")
+    island, lease, payload = leased_payload(direct, "committer")
     # a commit before any PUT
     digest = sha256_hex(payload)
-    ticket = island.call(
-        "POST",
-        f"/v1/leases/{lease.lease_id}/upload-url",
-        UploadTicket,
-        what="ticket",
-        json={"size": len(payload), "sha256": digest},
-    )
+    ticket = request_ticket(island, lease, payload)
     commit = {"key": ticket.key, "size": len(payload), "sha256": digest, "round": 0, "tokens": 1, "train_loss": 1.0}
     r = island.request("POST", f"/v1/leases/{lease.lease_id}/commit", what="commit", json=commit)
     assert r.status_code == 409 and r.json()["detail"] == (
@@ -110,22 +101,13 @@ def test_a_wrong_digest_is_refused_by_the_executor_and_changes_no_module(direct:
     run = create_running_run(direct, name="liar", num_rounds=1)
     liar_lease: LeasePublic | None = None
     for p in range(run["num_paths"]):
-        island = island_client(direct, f"liar-{p}")
-        lease = island.lease()
-        assert lease is not None
-        payload = encode_grad(outer_grads(island, lease), "fp32")
+        island, lease, payload = leased_payload(direct, f"liar-{p}")
         if p == 0:
             liar_lease = lease
             honest = payload
             lying = bytearray(payload)
             lying[-1] ^= 0xFF  # same size, same header, other content
-            ticket = island.call(
-                "POST",
-                f"/v1/leases/{lease.lease_id}/upload-url",
-                UploadTicket,
-                what="ticket",
-                json={"size": len(honest), "sha256": sha256_hex(honest)},
-            )
+            ticket = request_ticket(island, lease, honest)
             assert httpx.put(ticket.url, content=bytes(lying)).status_code == 200
             commit = {
                 "key": ticket.key,
@@ -172,10 +154,7 @@ def test_a_commit_reads_the_header_in_one_get_or_two(
 
     monkeypatch.setattr(direct_module, "STAGED_HEAD_READ", first_read)
     create_running_run(direct, name=f"head-{first_read}")
-    island = island_client(direct, "reader")
-    lease = island.lease()
-    assert lease is not None
-    payload = encode_grad(outer_grads(island, lease), "fp32")
+    island, lease, payload = leased_payload(direct, "reader")
     assert int.from_bytes(payload[:8], "little") > 16  # the header is longer than the short first read
     contribution = island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
     assert contribution.status == "accepted"
@@ -219,10 +198,8 @@ def test_an_accepted_direct_upload_passes_no_outer_gradient_byte_through_the_coo
     before = direct.get("/metrics").text
     assert [byte_counter(before, "in", kind) for kind in ("outer_gradient", "shard")] == [0.0, 400 * 2 * 4]
     assert byte_counter(before, "out", "weights") == 0.0 and byte_counter(before, "out", "shard") == 0.0
-    island = island_client(direct, "counted")
-    lease = island.lease()
-    assert lease is not None and lease.direct_upload
-    payload = encode_grad(outer_grads(island, lease), "fp32")
+    island, lease, payload = leased_payload(direct, "counted")
+    assert lease.direct_upload
     contribution = island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
     assert contribution.status == "accepted" and contribution.run_id == run["id"]
     after = direct.get("/metrics").text
