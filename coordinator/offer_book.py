@@ -30,33 +30,39 @@ class OfferBook:
     def __init__(self) -> None:
         self._ready: dict[int, ReadyOffer] = {}
         self._seen: dict[int, datetime] = {}
-        """lease id -> expiry of every offer put and not yet run out, taken up or not (`adopt`)."""
+        """lease id -> expiry of every offer put or taken from the database and not yet run out (`put` skips
+        them: holding one again would only cost its island a failed take-up later)."""
         self._lock = threading.Lock()
         self._queue: list[tuple[ReadyOffer, asyncio.Future[LeasePublic | None]]] = []
         self._drain: asyncio.Task[None] | None = None
 
-    def put(self, offers: Iterable[ReadyOffer], *, now: datetime) -> None:
-        """Hold committed offers (any thread); offers that ran out are dropped on the way."""
+    def put(self, offers: Iterable[ReadyOffer], *, now: datetime) -> int:
+        """Hold committed offers (any thread), except those this book held or saw taken before: the apply that
+        made them and the sweep (reading the database) may both put one, in either order, and its island may have
+        taken it up in between. Offers that ran out are dropped on the way. Returns how many were new."""
         with self._lock:
             self._ready = {i: o for i, o in self._ready.items() if as_utc(o.lease.expires_at) >= now}
             self._seen = {i: at for i, at in self._seen.items() if at >= now}
-            for offer in offers:
+            fresh = [offer for offer in offers if offer.lease_id not in self._seen]
+            for offer in fresh:
                 self._ready[offer.island_id] = offer
                 self._seen[offer.lease_id] = as_utc(offer.lease.expires_at)
+            return len(fresh)
+
+    def taken(self, island_id: int, lease_id: int, *, until: datetime) -> None:
+        """The island took offer `lease_id` up from the database (`leases.take_offer`): never hand it out from
+        here, whether this book holds it already or its apply puts it later (`until`: when to forget it)."""
+        with self._lock:
+            held = self._ready.get(island_id)
+            if held is not None and held.lease_id == lease_id:
+                del self._ready[island_id]
+            until = as_utc(until)
+            self._seen[lease_id] = max(self._seen.get(lease_id, until), until)
 
     def known(self) -> frozenset[int]:
-        """Lease ids of the offers this book held and that have not run out (`adopt` leaves them out)."""
+        """Lease ids of the offers this book held or saw taken, and that have not run out (`put` leaves them out)."""
         with self._lock:
             return frozenset(self._seen)
-
-    def adopt(self, offers: Iterable[ReadyOffer], *, now: datetime) -> int:
-        """Hold offers read from the database (`leases.pending_offers`), except those this book held before:
-        one of them may be being taken up right now, and holding it again would only cost its island a failed
-        take-up later. Returns how many were new."""
-        with self._lock:
-            fresh = [offer for offer in offers if offer.lease_id not in self._seen]
-        self.put(fresh, now=now)
-        return len(fresh)
 
     def pop(self, island_id: int, *, now: datetime) -> ReadyOffer | None:
         with self._lock:

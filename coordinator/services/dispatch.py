@@ -170,6 +170,8 @@ class LeaseDispatcher:
                     offered = leases.take_offer(session, island_id, now=now)
                     found = _Found(offered, None) if offered is not None else _Found(None, "waiting", now)
             session.rollback()
+        if offered is not None:  # its apply may hand the book this offer only now: it must not stay there
+            self._offers.taken(island_id, offered.lease_id, until=offered.expires_at)
         if found.lease is not None:
             self._metrics.leases_issued.inc()
         return found
@@ -208,7 +210,7 @@ class LeaseDispatcher:
             if signature[0] != self._newest_round:
                 # a round opened (or this process just started): its offers into the book before the waiting
                 # islands wake, so that they are taken up in batches, not one transaction each (`take_offer`)
-                self._offers.adopt(leases.pending_offers(session, now=now, known=self._offers.known()), now=now)
+                self._offers.put(leases.pending_offers(session, now=now, known=self._offers.known()), now=now)
                 self._newest_round = signature[0]
             self._wakeups.notify_if_changed(signature)
             session.rollback()

@@ -206,7 +206,7 @@ def test_offers_an_external_executor_made_are_adopted_by_the_sweep_and_taken_up_
     assert len(state.offers) == 4
     with state.sessions() as session:
         again = leases.pending_offers(session, now=clock())
-    assert len(again) == 4 and state.offers.adopt(again, now=clock()) == 0  # held before: not adopted twice
+    assert len(again) == 4 and state.offers.put(again, now=clock()) == 0  # held before: not adopted twice
     for p, (island_id, h) in enumerate(islands):
         got = lease(client, island_id, h)
         assert got is not None and (got["round"], got["path_index"]) == (1, p)

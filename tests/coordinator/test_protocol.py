@@ -460,6 +460,28 @@ def test_held_islands_get_their_offers_when_the_round_opens(client: TestClient) 
     assert len(client.app.state.dipaco.offers) == 1  # type: ignore[attr-defined]  # d's, until d asks
 
 
+def test_an_offer_taken_up_is_not_held_again_whichever_put_comes_late(client: TestClient) -> None:
+    """The apply that made a round's offers and the sweep that read them from the database both hand them to the
+    offer book, in either order, and an island may take its offer up in between, from the book or from the
+    database: a late hand-over must not hold the taken offer again (CI saw the book hold two offers for one)."""
+    create_running_run(client)
+    (a_id, ah), (b_id, bh) = _two_islands_train_round_zero(client)
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        made = leases.pending_offers(session, now=state.clock())  # as the sweep reads them
+    assert sorted(o.island_id for o in made) == [a_id, b_id] and len(state.offers) == 2
+    got = lease(client, a_id, ah)  # a takes its offer from the book
+    assert got is not None and got["round"] == 1
+    assert state.offers.put(made, now=state.clock()) == 0  # the other hand-over comes late
+    assert len(state.offers) == 1  # b's only
+    b_offer = state.offers.pop(b_id, now=state.clock())  # the book has not been handed b's offer yet ...
+    assert b_offer is not None
+    found = state.dispatcher._from_database(b_id)  # ... so b's request takes it from the database
+    assert found.lease is not None and found.lease.lease_id == b_offer.lease_id
+    assert state.offers.put([b_offer], now=state.clock()) == 0  # then the apply's hand-over arrives
+    assert len(state.offers) == 0
+
+
 def test_an_offer_made_after_the_requests_look_for_one_is_taken_not_refused(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
