@@ -13,9 +13,11 @@ closes next to async steps). ~15-30 s each on either database."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -106,15 +108,18 @@ class _Finished:
 
 def _run(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]) -> _Finished:
     """Two islands (island-1 stalling 5 s in each lease) train the run `spec` to its end; what the registry
-    says of it."""
+    says of it. Island-1 starts first and holds a lease before island-0 starts: had both started together,
+    island-0 could train the whole run while island-1 slept between two polls for a run (the likely cause of a CI
+    run in which no upload was stale)."""
     cluster.start_coordinator()
     with cluster.admin() as client:
-        islands = [cluster.start_island("island-0")]
         with monkeypatch.context() as env:
-            env.setenv(STALL_ENV, "*:2:5.0")  # island-0 fills a period (2 uploads) during each of these leases
-            islands.append(cluster.start_island("island-1"))
-        wait_islands_joined(client, 2)
+            env.setenv(STALL_ENV, "*:2:5.0")  # island-0 fills a period during each of these leases
+            islands = [cluster.start_island("island-1")]
+        wait_islands_joined(client, 1)
         run_id = create_run(client, spec, num_tokens=600)
+        _wait_active_lease(client, run_id)
+        islands.append(cluster.start_island("island-0"))
         run = wait_finished(cluster, client, run_id)
         paths = client.get("/v1/paths", params={"run_id": run_id}).json()["data"]
         tokens = [
@@ -135,6 +140,14 @@ def _run(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]
     # island-0 uploads while island-1's leases stall
     assert any(m["staleness"] > 0 for c in contributions for m in c["modules"])
     return _Finished(run, tokens, leases, contributions, modules, weights)
+
+
+def _wait_active_lease(client: httpx.Client, run_id: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not client.get("/v1/leases", params={"run_id": run_id, "status": "active"}).json()["data"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no island leased a path of run {run_id} within {timeout_s} s")
+        time.sleep(0.1)
 
 
 def _equals_reference(got: _Finished, spec: dict[str, Any], settings: AsyncSettings) -> None:
