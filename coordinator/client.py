@@ -330,10 +330,12 @@ class CoordinatorClient(Session):
         tokens: int,
         train_loss: float,
         heldout_loss: float | None = None,
+        next_lease: bool = False,
     ) -> ContributionPublic:
         """Stream the outer gradients of a lease (with the start weights' held-out loss, when scored). Idempotent on
         the server, so retries are safe. The body's sha256 goes with it (`X-Dipaco-Content-Sha256`), so the
-        coordinator need not hash it while receiving; its apply executor checks it.
+        coordinator need not hash it while receiving; its apply executor checks it. With `next_lease` the reply
+        may carry the island's next lease (`ContributionPublic.next_lease`).
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
@@ -346,7 +348,8 @@ class CoordinatorClient(Session):
         if heldout_loss is not None:
             headers[H_HELDOUT_LOSS] = repr(float(heldout_loss))
         url = f"/v1/leases/{lease.lease_id}/outer-gradients"
-        response = self.send(url, payload, what=what, headers=headers)
+        params = {"next_lease": "true"} if next_lease else None
+        response = self.send(url, payload, what=what, headers=headers, params=params)
         if response.status_code == 409:
             raise LeaseLost(lease.lease_id, detail(response))
         return self.parse(ContributionPublic, self.check(response, what=what, ok=(200, 201)), what=what)
@@ -359,12 +362,13 @@ class CoordinatorClient(Session):
         tokens: int,
         train_loss: float,
         heldout_loss: float | None = None,
+        next_lease: bool = False,
     ) -> ContributionPublic:
         """Direct transfers (`lease.direct_upload`): ask for a ticket, PUT the outer gradients to the bucket (in
         the ticket's parts when it is a multipart upload, collecting each part's ETag), commit them. Each request
         retries (a part that fails with a 5xx or a lost connection is PUT again); a PUT the bucket refuses with
         403 (e.g. the URL expired while the body was on its way) gets a new ticket once; a commit is idempotent
-        on the server.
+        on the server. `next_lease` as in `upload`.
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"direct upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
@@ -393,7 +397,11 @@ class CoordinatorClient(Session):
             parts=parts,
         )
         response = self.request(
-            "POST", f"/v1/leases/{lease.lease_id}/commit", what=f"{what}: commit", json=commit.model_dump()
+            "POST",
+            f"/v1/leases/{lease.lease_id}/commit",
+            what=f"{what}: commit",
+            json=commit.model_dump(),
+            params={"next_lease": "true"} if next_lease else None,
         )
         if response.status_code == 409:
             raise LeaseLost(lease.lease_id, detail(response))

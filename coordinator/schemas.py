@@ -456,6 +456,12 @@ class ContributionPublic(BaseModel):
         description="Whether the round this upload went into has closed with it (this upload completed it, or a sweep "
         "or a concurrent upload closed it right after); its outer step follows on the apply executors"
     )
+    next_lease: LeasePublic | None = Field(
+        default=None,
+        description="With `?next_lease=true`: the island's next lease, issued right after this upload was "
+        "accepted, when one was ready at once (none after a retried upload, one that closed its round or made a "
+        "module step due, or when there is no work now: then ask `POST /v1/islands/{id}/lease` as usual)",
+    )
 
 
 class LeaseReleased(BaseModel):

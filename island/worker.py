@@ -334,15 +334,22 @@ class Island:
             self._lease = None
         return EXIT_OK
 
-    def _ask_early(self) -> None:
-        """The coordinator accepted a lease's upload: ask for the next lease now, on a thread, while the accepted
-        inner state is kept (a copy of the AdamW moments to the CPU, ~0.1 s per 150M parameters from a GPU) and the
-        result logged, rather than after; the coordinator may still hold the request until work appears. Not
-        when this was the island's last lease (`--max-rounds`) or it is stopping."""
+    def _wants_more(self) -> bool:
+        """Whether the island will ask for another lease after this one: not after its last (`--max-rounds`), nor
+        when it is stopping."""
         cfg = self.config
-        if self._stop.is_set() or (cfg.max_rounds is not None and self.rounds_done + 1 >= cfg.max_rounds):
-            return
-        self._asking = self._asker.submit(self.client.lease, wait_s=cfg.lease_wait_s)
+        return not (self._stop.is_set() or (cfg.max_rounds is not None and self.rounds_done + 1 >= cfg.max_rounds))
+
+    def _ask_early(self, came: LeasePublic | None) -> None:
+        """The coordinator accepted a lease's upload: the next lease is the one its reply carried (`came`), else
+        asked for now, on a thread, while the accepted inner state is kept (a copy of the AdamW moments to the CPU,
+        ~0.1 s per 150M parameters from a GPU) and the result logged, rather than after; the coordinator may
+        still hold the request until work appears. Not when the island wants no more work (`_wants_more`)."""
+        if came is not None:
+            self._asking = Future()
+            self._asking.set_result(came)  # given back on the way out if unused (`_early_lease_left`)
+        elif self._wants_more():
+            self._asking = self._asker.submit(self.client.lease, wait_s=self.config.lease_wait_s)
 
     def _next_lease(self) -> LeasePublic | None:
         """The answer to the request `_ask_early` sent, else a new request's."""
@@ -440,7 +447,7 @@ class Island:
         result.tokens_per_s = result.tokens / max(elapsed, 1e-9)
         rows = touched_rows(batches, inputs.model_cfg.vocab_size) if lease.sparse_rows else None
         contribution, residual = self._upload(lease, inputs, model, rows=rows, result=result)
-        self._ask_early()
+        self._ask_early(contribution.next_lease)
         # The inner state and the codec's residual are kept only once the coordinator has accepted the work.
         key = (lease.run_id, lease.path_id)
         self._inner_states.accept(key, lease.lease_id, optimizer.state_dict())
@@ -591,7 +598,12 @@ class Island:
         mean_loss = sum(result.losses) / len(result.losses)
         send = self.client.upload_direct if lease.direct_upload else self.client.upload  # bucket, or coordinator
         contribution = send(
-            lease, payload, tokens=result.tokens, train_loss=mean_loss, heldout_loss=result.heldout_loss
+            lease,
+            payload,
+            tokens=result.tokens,
+            train_loss=mean_loss,
+            heldout_loss=result.heldout_loss,
+            next_lease=self._wants_more(),  # the reply may carry it: no request, no gap before the next lease
         )
         result.upload_s = time.perf_counter() - t_upload
         return contribution, feedback.residual

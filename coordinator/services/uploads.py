@@ -104,6 +104,18 @@ class Submitted:
 
 
 @dataclass(frozen=True, slots=True)
+class Accepted:
+    """`UploadDesk.accept`'s answer: the reply, and whether the island's next lease may be issued with it."""
+
+    answer: ContributionPublic
+    lease_ready: bool
+    """The upload was new, did not close its round and made no module step due: its path (or another) may be
+    leased at once. False for a retry (its first attempt's reply may have carried a lease), after a round
+    closed (the next round's leases follow its apply) and after a step fell due (the path is held until the
+    step commits)."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Checked:
     """What payload validation needs, read before the (lock-free) validation."""
 
@@ -188,7 +200,7 @@ class UploadDesk:
                 sparse_rows=run.config.get("sparse_rows", False),
             )
 
-    def commit(self, lease_id: int, island_id: int, commit: UploadCommit) -> ContributionPublic:
+    def commit(self, lease_id: int, island_id: int, commit: UploadCommit) -> Accepted:
         """Record an outer gradient the island PUT to the bucket (`ticket`); the same checks and answers as an
         upload through the coordinator, the values verified later by the apply executor. A multipart upload's
         parts are joined first; a refused multipart commit aborts its upload (its parts are dropped)."""
@@ -220,7 +232,7 @@ class UploadDesk:
                 self._blobs.abort_multipart(commit.key, upload.multipart.upload_id)
             raise
 
-    def accept(self, upload: Upload) -> ContributionPublic:
+    def accept(self, upload: Upload) -> Accepted:
         """Accept (or refuse, with a `ServiceError`, recorded as an event) one upload; runs on a worker thread."""
         now = self._clock()
         with pinned_session(self._sessions) as session:
@@ -254,7 +266,8 @@ class UploadDesk:
                 answer.round_applied = self._closer.closed_with(session, answer.run_id, answer.round, now=now)
             if submitted.created and submitted.schedule != "round":
                 self._closer.async_progress(submitted.steps)
-            return answer
+            ready = submitted.created and not answer.round_applied and submitted.steps == 0
+            return Accepted(answer, lease_ready=ready)
 
 
 def submit_outer_gradients(

@@ -107,6 +107,7 @@ def upload(
     round_: int | None = None,
     tokens: int = 32,
     loss: float = 5.0,
+    next_lease: bool = False,
 ) -> Any:
     body = encode(payload) if isinstance(payload, dict) else payload
     h = {
@@ -116,7 +117,8 @@ def upload(
         "X-Dipaco-Train-Loss": str(loss),
         "Content-Type": "application/octet-stream",
     }
-    return client.post(f"/v1/leases/{lease_body['lease_id']}/outer-gradients", content=body, headers=h)
+    params = {"next_lease": "true"} if next_lease else None
+    return client.post(f"/v1/leases/{lease_body['lease_id']}/outer-gradients", content=body, headers=h, params=params)
 
 
 @contextmanager

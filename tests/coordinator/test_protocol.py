@@ -460,6 +460,38 @@ def test_held_islands_get_their_offers_when_the_round_opens(client: TestClient) 
     assert len(client.app.state.dipaco.offers) == 1  # type: ignore[attr-defined]  # d's, until d asks
 
 
+def test_an_upload_may_bring_the_islands_next_lease(client: TestClient) -> None:
+    """`?next_lease=true`: the reply carries the island's next lease when one is ready at once (an active lease
+    like any other), never for a retried upload (its first reply may have carried one) nor for the upload that
+    closes its round (the next round's leases follow the apply); without it the reply carries none."""
+    create_running_run(client)
+    a_id, ah = join(client, "a")
+    b_id, bh = join(client, "b")
+    first = lease(client, a_id, ah)
+    assert first is not None
+    trained = train_lease(client, first, ah)
+    got = upload(client, first, ah, trained, next_lease=True)
+    assert got.status_code == 200, got.text
+    nxt = got.json()["next_lease"]
+    assert nxt is not None and nxt["round"] == 0 and nxt["path_index"] != first["path_index"]
+    assert nxt["status"] == "active" and [m["version"] for m in nxt["modules"]] == [0, 0, 0, 0]
+    beat = client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah).json()
+    assert beat["active_lease_ids"] == [nxt["lease_id"]]  # issued in the database, not only in the reply
+    again = upload(client, first, ah, trained, next_lease=True)  # the first reply was lost: the upload again
+    assert again.status_code == 200 and again.json()["id"] == got.json()["id"] and again.json()["next_lease"] is None
+    assert client.post(f"/v1/islands/{a_id}/heartbeat", headers=ah).json()["active_lease_ids"] == [nxt["lease_id"]]
+    assert upload(client, nxt, ah, train_lease(client, nxt, ah)).json()["next_lease"] is None  # not asked for
+    mine = lease(client, b_id, bh)  # b trains the round's last two paths, the second one from its upload's reply
+    assert mine is not None
+    last = upload(client, mine, bh, train_lease(client, mine, bh), next_lease=True).json()["next_lease"]
+    assert last is not None and last["round"] == 0
+    reply = upload(client, last, bh, train_lease(client, last, bh), next_lease=True).json()
+    assert reply["round_applied"] is True and reply["next_lease"] is None  # it closed the round
+    with client.app.state.dipaco.sessions() as session:  # type: ignore[attr-defined]
+        statuses = sorted(session.scalars(select(Lease.status).where(Lease.round == 0)).all())
+    assert statuses == ["submitted"] * 4  # one lease a path: nothing issued twice
+
+
 def test_an_offer_taken_up_is_not_held_again_whichever_put_comes_late(client: TestClient) -> None:
     """The apply that made a round's offers and the sweep that read them from the database both hand them to the
     offer book, in either order, and an island may take its offer up in between, from the book or from the

@@ -57,8 +57,11 @@ Tensors = dict[str, torch.Tensor]
 
 
 def leases_of(transport: FaultyTransport) -> dict[int, LeasePublic]:
-    """Every lease the coordinator handed to the island, by id."""
-    return {e.reply["lease_id"]: LeasePublic.model_validate(e.reply) for e in transport.to("lease") if e.status == 200}
+    """Every lease the coordinator handed to the island, by id: answers to its lease requests, and next leases
+    that came with its uploads' replies."""
+    replies = [e.reply for e in transport.to("lease") if e.status == 200]
+    replies += [e.reply["next_lease"] for e in transport.to("upload") if e.status == 200 and e.reply["next_lease"]]
+    return {reply["lease_id"]: LeasePublic.model_validate(reply) for reply in replies}
 
 
 def accepted(island: Island, transport: FaultyTransport) -> list[LeasePublic]:
@@ -360,8 +363,8 @@ def test_waits_while_no_run_is_running_then_works_and_honours_max_rounds(coordin
     assert [(e.status, e.headers.get("x-dipaco-idle")) for e in transport.to("lease")] == [
         (204, "no-running-runs"),
         (200, None),
-        (200, None),
-    ]
+    ]  # the second lease came with the first upload's reply
+    assert [e.reply["next_lease"] is not None for e in transport.to("upload")] == [True, False]
     assert [r.status for r in island.results] == ["uploaded", "uploaded"]
     [run] = runs
     assert len(coordinator.get("/v1/contributions", run_id=run["id"])["data"]) == 2
@@ -558,12 +561,28 @@ def test_the_island_scores_each_lease_s_start_weights_on_the_held_out_slice(coor
     assert [r.heldout_loss for r in island.results] == recorded
 
 
+def test_the_next_lease_comes_with_the_upload_when_ready_and_not_after_the_last(coordinator: Coordinator) -> None:
+    """Two paths in a round: the first upload's reply carries the island's next lease (the round's other path),
+    so the island sends one lease request for two leases; with `--max-rounds` reached the last upload asks for
+    none, so no lease is left to give back."""
+    run = coordinator.create_run(layout=TWO_PATHS)
+    island, transport = coordinator.island(max_rounds=2)
+    assert island.run() == EXIT_OK
+    assert [r.status for r in island.results] == ["uploaded", "uploaded"]
+    assert [e.status for e in transport.to("lease")] == [200]
+    [first, last] = [e.reply for e in transport.to("upload")]
+    assert first["next_lease"]["path_index"] != transport.to("lease")[0].reply["path_index"]
+    assert last["next_lease"] is None and transport.to("release") == []
+    assert {lease["status"] for lease in coordinator.get("/v1/leases", run_id=run["id"])["data"]} == {"submitted"}
+
+
 def test_the_next_lease_is_asked_for_while_the_accepted_state_is_kept_but_not_after_the_last(
     coordinator: Coordinator,
 ) -> None:
-    """An accepted upload sends the next lease request at once (`Island._ask_early`), before the inner state is
-    copied and kept; with `--max-rounds` reached nothing more is asked, so no lease is left to give back."""
-    coordinator.create_run(layout=TWO_PATHS)
+    """An upload whose reply carries no lease (here it closes its round: the next round's lease follows the
+    apply) sends the next lease request at once (`Island._ask_early`), before the inner state is copied and
+    kept; with `--max-rounds` reached nothing more is asked, so no lease is left to give back."""
+    coordinator.create_run(layout=ONE_PATH)
     island, transport = coordinator.island(max_rounds=2)
     seen: list[int] = []
     keep = island._inner_states.accept

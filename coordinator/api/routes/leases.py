@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 
 from coordinator.api.answers import V1_ERRORS, errors
-from coordinator.api.deps import Id, PrincipalDep, SessionDep, SessionRoute, StateDep
+from coordinator.api.deps import AppState, Id, PrincipalDep, SessionDep, SessionRoute, StateDep
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
-from coordinator.errors import Invalid
+from coordinator.errors import Invalid, ServiceError
 from coordinator.schemas import (
     DB_INT_MAX,
     H_CONTENT_HASH,
@@ -27,9 +28,34 @@ from coordinator.schemas import (
     UploadTicketRequest,
 )
 from coordinator.services import leases
-from coordinator.services.uploads import Upload
+from coordinator.services.uploads import Accepted, Upload
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["leases"], route_class=SessionRoute, responses=V1_ERRORS)
+
+NextLease = Query(
+    False,
+    description="Issue the island's next lease with the reply (`next_lease`) when one is ready at once: no request "
+    "of its own, and no gap between this upload and the next lease",
+)
+
+
+async def _answer(state: AppState, island_id: int, accepted: Accepted, *, next_lease: bool) -> ContributionPublic:
+    """The upload's reply, with the island's next lease when it asked for one and one is ready at once. The upload
+    is committed by now: a failure to find the lease only leaves it out (the island then asks as usual)."""
+    answer = accepted.answer
+    if not (next_lease and accepted.lease_ready):
+        return answer
+    try:
+        found = await state.dispatcher.next_lease(island_id, wait_s=0)
+    except ServiceError:  # e.g. 409: the island holds as many leases as it may; its own request says so
+        return answer
+    except Exception:  # noqa: BLE001 - the upload stands; the island's own lease request will meet the error
+        log.warning("no next lease with the upload of lease %d", answer.lease_id, exc_info=True)
+        return answer
+    answer.next_lease = found.lease
+    return answer
 
 
 def _parse_float(name: str, value: str | None) -> float:
@@ -80,6 +106,7 @@ async def upload_outer_gradients(
     x_dipaco_train_loss: str | None = Header(None),
     x_dipaco_heldout_loss: str | None = Header(None),
     x_dipaco_content_sha256: str | None = Header(None),
+    next_lease: bool = NextLease,
 ) -> ContributionPublic:
     """Body: safetensors in the run's codec, the path's outer gradient named `<level>/<param>` (streamed).
 
@@ -133,14 +160,15 @@ async def upload_outer_gradients(
                 stream=stream,
             )
 
-            def accept() -> ContributionPublic:
+            def accept() -> Accepted:
                 body.sync()  # durable before `accept` takes its locks, on the thread that runs it (one hop, not two)
                 return state.uploads.accept(upload)
 
-            return await run_in_threadpool(accept)
+            accepted = await run_in_threadpool(accept)
         finally:
             body.close()  # after the thread: a cancelled request still waits for it (anyio does not abandon it)
             body.path.unlink(missing_ok=True)  # accepted uploads were moved into the blob store already
+    return await _answer(state, principal.island_id, accepted, next_lease=next_lease)
 
 
 @router.post("/leases/{lease_id}/release", response_model=LeaseReleased, responses=errors(403, 404, 409))
@@ -166,7 +194,7 @@ async def upload_url(
 
 @router.post("/leases/{lease_id}/commit", response_model=ContributionPublic, responses=errors(400, 403, 404, 409))
 async def commit_upload(
-    lease_id: Id, commit: UploadCommit, state: StateDep, principal: PrincipalDep
+    lease_id: Id, commit: UploadCommit, state: StateDep, principal: PrincipalDep, next_lease: bool = NextLease
 ) -> ContributionPublic:
     """Direct transfers: the body is in the bucket at the ticket's key; record it with the same checks and answers
     as `POST .../outer-gradients` (its header is read from the bucket; its values are verified by the apply
@@ -174,4 +202,5 @@ async def commit_upload(
     require(principal, "island")
     assert principal.island_id is not None  # island scope
     with state.metrics.counting_refused_uploads():
-        return await run_in_threadpool(state.uploads.commit, lease_id, principal.island_id, commit)
+        accepted = await run_in_threadpool(state.uploads.commit, lease_id, principal.island_id, commit)
+    return await _answer(state, principal.island_id, accepted, next_lease=next_lease)
