@@ -71,7 +71,8 @@ class IslandStatus(StrEnum):
 
 
 class EventKind(StrEnum):
-    """What a row of the `events` table records (the dashboard's event list; CHECK constraint, migration 0004)."""
+    """What a row of the `events` table records (the dashboard's event list; CHECK constraint, migrations 0004 and
+    0014: a new kind needs a migration of its own)."""
 
     LEASE_EXPIRED = "lease_expired"
     """An active lease ran out without an upload (no heartbeat in time), or an offer was not taken up."""
@@ -79,3 +80,6 @@ class EventKind(StrEnum):
     """An island's outer-gradient upload was refused; the event's detail is the reason the island was sent."""
     ISLAND_REVOKED = "island_revoked"
     """An admin revoked an island; its pending leases went back to the pool."""
+    APPLY_FAILED = "apply_failed"
+    """A module step failed in an apply executor (the error, the attempt, when it is tried again): the step is
+    retried with a growing delay, and its round (or async period) waits for it."""

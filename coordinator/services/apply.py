@@ -15,7 +15,11 @@ Exactly once, whatever dies when:
     (`release_dead_claims`), else once the claim is older than `claim_s`. An executor that was only slow and
     lost its claim finds its commit refused and drops its result;
   * the module's version is checked against the one the step read, so a module is never stepped twice for one
-    round, and the round is applied in the same transaction as its last step.
+    round, and the round is applied in the same transaction as its last step;
+  * a step that fails (its blobs unreadable, the disk full, a database error in its commit) is given up by its
+    executor at once: an `apply_failed` event says why, and the step is tried again, by any executor, after
+    `retry_delay_s` (5 s, doubling with each failure up to `claim_s`). Its round waits for it, and the
+    executor goes on with other steps.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from coordinator.blobstore import BlobStore
 from coordinator.db import reading, start_writing, without_flush_wait
 from coordinator.faults import NO_FAULTS, FaultInjector
 from coordinator.models import Contribution, ContributionGrad, Module, ModuleStep, ModuleVersion, Run
+from coordinator.services.events import add_apply_failure
 from coordinator.services.leases import Affinity, ReadyOffer
 from coordinator.services.periods import finish_if_done
 from coordinator.services.rounds import finish_round
@@ -60,6 +65,16 @@ log = logging.getLogger(__name__)
 
 CLAIM_S = 300.0
 """A claim older than this is taken over by another executor (a process on another host that may be gone)."""
+
+
+RETRY_FIRST_S = 5.0
+"""A step that failed is tried again after this many seconds, twice as long after each further failure (at most
+the executor's `claim_s`)."""
+
+
+def retry_delay_s(attempts: int, claim_s: float = CLAIM_S) -> float:
+    """Seconds before a step that failed at its `attempts`th claim may be claimed again."""
+    return min(claim_s, RETRY_FIRST_S * 2.0 ** max(attempts - 1, 0))
 
 
 def executor_name(index: int = 0) -> str:
@@ -142,6 +157,40 @@ def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = C
                     )
             session.rollback()
             return None
+
+
+def give_up_failed(
+    session: Session, claimed: _Claimed, name: str, error: BaseException, *, now: datetime, claim_s: float = CLAIM_S
+) -> float | None:
+    """Give up this executor's claim on a step that failed, and record why (an `apply_failed` event); commit.
+
+    The step stays `running` with no owner and a claim dated so that it is stale (`claim_step` takes it again)
+    after `retry_delay_s`; nothing else changes (its math left only unreferenced blobs). Returns that delay, or
+    None when the claim was no longer this executor's (taken over meanwhile: nothing is written)."""
+    delay = retry_delay_s(claimed.attempts, claim_s)
+    session.rollback()
+    start_writing(session)
+    released = session.execute(
+        update(ModuleStep)
+        .where(ModuleStep.id == claimed.step_id, ModuleStep.status == StepStatus.RUNNING, ModuleStep.claimed_by == name)
+        .values(claimed_by=None, claimed_at=now - timedelta(seconds=claim_s - delay))
+    )
+    if not released.rowcount:  # type: ignore[attr-defined]
+        session.rollback()
+        return None
+    add_apply_failure(
+        session,
+        run_id=claimed.run_id,
+        round_=claimed.round,
+        module_id=claimed.module_id,
+        executor=name,
+        attempt=claimed.attempts,
+        error=error,
+        retry_s=delay,
+        now=now,
+    )
+    session.commit()
+    return delay
 
 
 def release_dead_claims(session: Session) -> int:
@@ -482,15 +531,20 @@ class ApplyExecutor:
                 claimed = claim_step(session, self.name, now=self._clock(), claim_s=self._claim_s)
                 if claimed is None:
                     return done
-                result = apply_step(
-                    session,
-                    self._blobs,
-                    claimed,
-                    self.name,
-                    clock=self._clock,
-                    faults=self._faults,
-                    affinity=self._affinity,
-                )
+                try:
+                    result = apply_step(
+                        session,
+                        self._blobs,
+                        claimed,
+                        self.name,
+                        clock=self._clock,
+                        faults=self._faults,
+                        affinity=self._affinity,
+                    )
+                except Exception as exc:  # given up and recorded; the other steps go on
+                    log.exception("apply executor %s: the step of module %d failed", self.name, claimed.module_id)
+                    give_up_failed(session, claimed, self.name, exc, now=self._clock(), claim_s=self._claim_s)
+                    continue
                 if result is not None:
                     done += 1
                     self.steps += 1
@@ -500,8 +554,8 @@ class ApplyExecutor:
 
     def serve(self, stop: threading.Event, wake: threading.Event, *, poll_s: float) -> None:
         """Work whenever woken (a round closed in this process) or every `poll_s` (one closed elsewhere, a claim
-        gone stale), until `stop` is set. Errors are logged and the loop goes on: a failed step stays claimed
-        and is taken over later."""
+        gone stale), until `stop` is set. A failed step is given up and tried again later (`give_up_failed`);
+        other errors (the database unreachable) are logged and the loop goes on."""
         last_release = 0.0
         while not stop.is_set():
             try:
@@ -510,7 +564,7 @@ class ApplyExecutor:
                         release_dead_claims(session)
                     last_release = time.monotonic()
                 self.work(stop)
-            except Exception:  # keep serving: the step stays claimed and goes back to the pool when stale
+            except Exception:  # keep serving: a claim this left behind goes back to the pool when stale
                 log.exception("apply executor %s: a step failed", self.name)
             wake.wait(poll_s)
             wake.clear()

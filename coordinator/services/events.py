@@ -1,4 +1,5 @@
-"""Events: what an operator wants to see after the fact (lease expiries, refused uploads, revocations).
+"""Events: what an operator wants to see after the fact (lease expiries, refused uploads, revocations, failed
+module steps).
 
 Each is recorded where it happens: a lease expiry and a revocation in the transaction that makes them (they are
 rolled back together), a refused upload in a short transaction of its own, since the refusal rolls the upload's
@@ -76,6 +77,34 @@ def add_revocation(session: Session, *, island_id: int, island_name: str, releas
             island_id=island_id,
             detail=f"island {island_id} ({island_name}) was revoked by an admin; "
             f"{released} pending lease(s) went back to the pool",
+            created_at=now,
+        )
+    )
+
+
+def add_apply_failure(
+    session: Session,
+    *,
+    run_id: int,
+    round_: int,
+    module_id: int,
+    executor: str,
+    attempt: int,
+    error: BaseException,
+    retry_s: float,
+    now: datetime,
+) -> None:
+    """Add the event of a module step that failed in an apply executor to the caller's transaction."""
+    session.add(
+        Event(
+            kind=EventKind.APPLY_FAILED,
+            run_id=run_id,
+            round=round_,
+            detail=_cut(
+                f"the step of module {module_id} for round/period {round_} failed in apply executor {executor} "
+                f"(attempt {attempt}): {type(error).__name__}: {error}; it is tried again in {retry_s:.0f} s, "
+                "and its round waits for it"
+            ),
             created_at=now,
         )
     )

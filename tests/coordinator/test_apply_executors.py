@@ -13,12 +13,19 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from coordinator.faults import FaultInjector
-from coordinator.models import Lease, ModuleStep
+from coordinator.models import Lease, Module, ModuleStep
 from coordinator.services import leases
-from coordinator.services.apply import ApplyExecutor, StepDone, apply_step, claim_step, release_dead_claims
+from coordinator.services.apply import (
+    ApplyExecutor,
+    StepDone,
+    apply_step,
+    claim_step,
+    release_dead_claims,
+    retry_delay_s,
+)
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
 from tests.coordinator.helpers import (
@@ -215,3 +222,53 @@ def test_offers_an_external_executor_made_are_adopted_by_the_sweep_and_taken_up_
     with state.sessions() as session:
         statuses = session.scalars(select(Lease.status).where(Lease.round == 1)).all()
     assert statuses == ["active"] * 4
+
+
+def test_a_failing_step_is_recorded_and_tried_again_later_while_the_others_go_on(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    """A step whose module weights cannot be read (the blob moved away) fails: the executor gives it up at once
+    with an `apply_failed` event, steps the other modules, and the step is tried again after 5 s, then 10 s; once
+    the blob is back it is applied, once, and the round with it."""
+    client = no_executors
+    run = closed_round(client)
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        module = session.get_one(Module, 1)
+        failing = session.scalar(
+            select(func.count()).select_from(Module).where(Module.weights_hash == module.weights_hash)
+        )
+    blob = state.blobs.path(module.weights_hash)
+    aside = blob.with_name(blob.name + ".aside")
+    blob.rename(aside)
+
+    def failures() -> list[dict[str, Any]]:
+        r = client.get(f"/v1/events?run_id={run['id']}&kind=apply_failed", headers=A)
+        assert r.status_code == 200, r.text
+        return r.json()["data"]
+
+    executor = _executor(client, "test-executor-0", clock)
+    assert executor.work() == 6 - failing  # the others are stepped
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 0  # the round waits
+    [first] = failures()
+    assert "attempt 1" in first["detail"] and "tried again in 5 s" in first["detail"], first
+    with state.sessions() as session:
+        step = session.scalars(select(ModuleStep).where(ModuleStep.status != StepStatus.DONE)).all()
+        assert [(s.status, s.claimed_by, s.attempts) for s in step] == [(StepStatus.RUNNING, None, 1)] * failing
+    assert executor.work() == 0  # not before its delay
+    clock.advance(5.1)
+    assert executor.work() == 0  # fails again: twice the delay
+    assert len(failures()) == 2 * failing
+    assert any("attempt 2" in e["detail"] and "tried again in 10 s" in e["detail"] for e in failures())
+    aside.rename(blob)
+    clock.advance(5.1)
+    assert executor.work() == 0
+    clock.advance(5.1)
+    assert executor.work() == failing
+    assert client.get(f"/v1/runs/{run['id']}", headers=A).json()["current_round"] == 1
+    assert module_versions(client) == {m: [0, 1] for m in range(1, 7)}
+    assert executor.work() == 0 and len(failures()) == 2 * failing
+
+
+def test_the_retry_delay_doubles_up_to_the_claim_time() -> None:
+    assert [retry_delay_s(n, 60) for n in (1, 2, 3, 4, 5)] == [5, 10, 20, 40, 60]

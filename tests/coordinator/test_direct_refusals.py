@@ -143,8 +143,9 @@ class _Unreadable(S3BlobStore):
 
 
 def test_a_staged_upload_that_cannot_be_read_is_refused_at_the_last_claim(held: TestClient, clock: FakeClock) -> None:
-    """An error other than "not there" may pass (a network fault): the step fails and is claimed again after
-    `claim_s`; at its `STAGED_READ_ATTEMPTS`th claim the upload is refused instead and the round is applied."""
+    """An error other than "not there" may pass (a network fault): the step fails, is given up with an
+    `apply_failed` event and claimed again after its retry delay (here `claim_s`, 1 s); at its
+    `STAGED_READ_ATTEMPTS`th claim the upload is refused instead and the round is applied."""
     run = create_running_run(held, name="unreadable", num_rounds=1, layout=ONE_PATH)
     before = _modules(held, run["id"])
     real = app_blobs(held)
@@ -153,14 +154,20 @@ def test_a_staged_upload_that_cannot_be_read_is_refused_at_the_last_claim(held: 
     key = real.staging_key(f"{lease.lease_id}-{sha256_hex(payload)}")
     store = _Unreadable(bucket=real.bucket, prefix=real.prefix, client=real.client)
     executor = _executor(held, clock, store)
-    for _ in range(STAGED_READ_ATTEMPTS - 1):
-        with pytest.raises(BlobError, match="cannot be read: .*AccessDenied"):
-            executor.work()
-        clock.advance(2)  # past claim_s: the step may be claimed again
+    for attempt in range(1, STAGED_READ_ATTEMPTS):
+        assert executor.work() == 0
+        events = held.get(f"/v1/events?run_id={run['id']}&kind=apply_failed", headers=A).json()["data"]
+        assert len(events) == 3 * attempt  # each of the 3 modules' steps reads the upload, and fails
+        assert all(f"(attempt {attempt}): BlobError: " in e["detail"] for e in events[-3:])  # oldest first
+        assert all("AccessDenied" in e["detail"] for e in events)
+        assert executor.work() == 0  # not before its retry delay
+        clock.advance(2)  # past it: the step may be claimed again
     assert executor.work() == 3
     (contribution,) = _contributions(held, run["id"])
     note = refusal_note(f"still unreadable after {STAGED_READ_ATTEMPTS} claims of its step: {_Unreadable.error(key)}")
     assert [(part["scale"], part["note"]) for part in contribution["modules"]] == [(0, note)] * 3
-    assert store.reads == STAGED_READ_ATTEMPTS  # the refusal covers every part: the other steps read nothing
+    # each step read it at each failed claim; the first to reach its last claim refused every part, so the
+    # other steps read nothing then
+    assert store.reads == 3 * (STAGED_READ_ATTEMPTS - 1) + 1
     assert _modules(held, run["id"]) == before
     assert held.get(f"/v1/runs/{run['id']}", headers=A).json()["status"] == "finished"
