@@ -36,7 +36,7 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
         [--min-inner-steps 10] [--max-inner-steps 60] [--batch-size 16] [--points 6] [--eval-docs 200] [--seed 0]
         [--slow-factor 3] [--island-nice 10] [--parts 1,2,3] [--modes round,async,hybrid]
         [--damping inverse|inverse_square|none]
-        [--max-staleness S] [--path-leases N] [--async-outer-lr LR]
+        [--max-staleness S] [--path-leases N] [--async-outer-lr LR] [--async-outer-momentum M]
         [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
 
 The defaults take ~15-20 minutes on 2 cores, `--quick` (20 s per mode, H 10) ~3.5 minutes: a smoke test whose
@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from coordinator.schemas import ContributionSummary, EventPublic, LeaseSummary, ModulePublic, OuterSpec, RunCreate
-from coordinator.services.runs import DEFAULT_ASYNC_LR_FACTOR
+from coordinator.services.runs import DEFAULT_ASYNC_LR_FACTOR, DEFAULT_ASYNC_MOMENTUM
 from coordinator.states import EventKind, LeaseStatus
 from dipaco.evaluation import fetch_run_paths, load_documents
 from dipaco.quality import HALVES, QualitySettings, VersionedWeights, prepare_corpus, shards_for, split_heldout
@@ -130,7 +130,9 @@ class Config:
     """The async run's `path_leases` (path sharing: leases that may train one path at once; None: the run
     default, 2)."""
     async_outer_lr: float | None = None
-    """The async and hybrid runs' outer learning rate (None: the run default, as round's)."""
+    """The async and hybrid runs' outer learning rate (None: the run default, half of round's)."""
+    async_outer_momentum: float | None = None
+    """The async and hybrid runs' outer momentum on async levels (None: the run default, 0.8)."""
 
 
 # ------------------------------------------------------------------------------------------ signals from outside
@@ -311,8 +313,9 @@ def run_spec(mode: str, layout: str, cfg: Config) -> RunCreate:
         spec["staleness_damping"] = cfg.damping
         if cfg.max_staleness is not None:
             spec["max_staleness"] = cfg.max_staleness
-        if cfg.async_outer_lr is not None:
-            spec["outer"] = {"async_lr": cfg.async_outer_lr}
+        outer = {"async_lr": cfg.async_outer_lr, "async_momentum": cfg.async_outer_momentum}
+        if any(v is not None for v in outer.values()):
+            spec["outer"] = {k: v for k, v in outer.items() if v is not None}
     return RunCreate.model_validate(spec)
 
 
@@ -637,6 +640,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         help="outer.async_lr of the async/hybrid runs, the step size of their async levels (default: the run's, "
         f"{DEFAULT_ASYNC_LR_FACTOR:g} x outer.lr = {DEFAULT_ASYNC_LR_FACTOR * OuterSpec().lr:g})",
     )
+    parser.add_argument(
+        "--async-outer-momentum",
+        type=float,
+        default=None,
+        help=f"outer.async_momentum of the async/hybrid runs (default: the run's, {DEFAULT_ASYNC_MOMENTUM:g})",
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")
     args = parser.parse_args(argv)
@@ -666,6 +675,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         max_staleness=args.max_staleness,
         path_leases=args.path_leases,
         async_outer_lr=args.async_outer_lr,
+        async_outer_momentum=args.async_outer_momentum,
     )
     return config, args.out, args.workdir
 
@@ -690,7 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"H {cfg.inner_steps} (async {cfg.min_inner_steps}..{cfg.max_inner_steps}), "
         f"batch {cfg.batch_size}; seed {cfg.seed}; parts {','.join(map(str, sorted(cfg.parts)))}; "
         f"modes {','.join(cfg.modes)}; damping {cfg.damping}; max_staleness {cfg.max_staleness}; "
-        f"path_leases {cfg.path_leases}; outer.async_lr {cfg.async_outer_lr or 'run default'}"
+        f"path_leases {cfg.path_leases}; outer.async_lr {cfg.async_outer_lr or 'run default'}; "
+        f"outer.async_momentum {cfg.async_outer_momentum if cfg.async_outer_momentum is not None else 'run default'}"
     )
     print(f"logs and registries: {rundir}")
 

@@ -54,6 +54,9 @@ class OuterConfig:
     async levels stores its own (the coordinator's default is half of `lr`: docs/LOG.md, 2026-12-04)."""
     momentum: float = 0.9
     """Nesterov momentum; 0 gives plain outer SGD (lr 1, momentum 0 = plain averaging of trained weights)."""
+    async_momentum: float | None = None
+    """Nesterov momentum of modules on async levels; None: `momentum`. A run created with async levels stores its
+    own (the coordinator's default is 0.8: docs/LOG.md, 2026-12-06)."""
     sqrt_rescale: bool = False
     """Multiply a module's averaged outer gradient by sqrt(number of contributing paths); see `rescale`."""
     method: Literal["nesterov", "average"] = "nesterov"
@@ -78,6 +81,8 @@ class OuterConfig:
             raise ValueError(f"outer async_lr must be finite and > 0 (or None), got {self.async_lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+        if self.async_momentum is not None and not 0 <= self.async_momentum < 1:
+            raise ValueError(f"outer async_momentum must be in [0, 1) (or None), got {self.async_momentum}")
         if self.method not in ("nesterov", "average"):
             raise ValueError(f"outer method must be 'nesterov' or 'average', got {self.method!r}")
         if self.weighting not in ("uniform", "tokens"):
@@ -90,8 +95,11 @@ class OuterConfig:
             raise ValueError(f"outer outliers must be 'clip' or 'refuse', got {self.outliers!r}")
 
     def for_async(self) -> OuterConfig:
-        """The outer step of an async level's module: this one with `async_lr` as its lr (when set)."""
-        return self if self.async_lr is None else replace(self, lr=self.async_lr, async_lr=None)
+        """The outer step of an async level's module: this one with `async_lr` as its lr and `async_momentum` as its
+        momentum (each when set)."""
+        lr = self.lr if self.async_lr is None else self.async_lr
+        momentum = self.momentum if self.async_momentum is None else self.async_momentum
+        return replace(self, lr=lr, momentum=momentum, async_lr=None, async_momentum=None)
 
 
 MEDIAN_MIN_CONTRIBUTIONS = 3

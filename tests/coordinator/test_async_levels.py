@@ -160,6 +160,8 @@ def test_a_hybrid_run_steps_async_levels_on_arrival_and_the_rest_per_round(
         ({"sync": "async", "path_leases": 0}, "path_leases"),
         ({"sync": "async", "outer": {"async_lr": 0}}, "async_lr"),
         ({"sync": "async", "outer": {"async_lr": "fast"}}, "async_lr"),
+        ({"sync": "async", "outer": {"async_momentum": 1}}, "async_momentum"),
+        ({"sync": "async", "outer": {"async_momentum": -0.1}}, "async_momentum"),
     ],
 )
 def test_bad_async_settings_are_refused_with_422(client: TestClient, spec: dict[str, Any], message: str) -> None:
@@ -170,23 +172,25 @@ def test_bad_async_settings_are_refused_with_422(client: TestClient, spec: dict[
 
 
 @pytest.mark.parametrize(
-    ("spec", "stored"),
+    ("spec", "stored", "momentum"),
     [
-        ({}, None),  # round levels only: no async step size
-        ({"sync": "async"}, 0.35),  # half of outer.lr
-        ({"sync": "async", "outer": {"lr": 0.4}}, 0.2),
-        ({"sync": "async", "outer": {"async_lr": 0.5}}, 0.5),
-        ({"layout": "embed:shared:async, b0-0:routed2, b1-1:routed2, head:shared:async"}, 0.35),  # hybrid
+        ({}, None, None),  # round levels only: no async step size
+        ({"sync": "async"}, 0.35, 0.8),  # half of outer.lr, 0.8
+        ({"sync": "async", "outer": {"lr": 0.4, "momentum": 0.95}}, 0.2, 0.8),
+        ({"sync": "async", "outer": {"async_lr": 0.5, "async_momentum": 0.0}}, 0.5, 0.0),
+        ({"layout": "embed:shared:async, b0-0:routed2, b1-1:routed2, head:shared:async"}, 0.35, 0.8),  # hybrid
     ],
 )
-def test_a_run_with_async_levels_stores_its_async_step_size(
-    client: TestClient, spec: dict[str, Any], stored: float | None
+def test_a_run_with_async_levels_stores_its_async_step_size_and_momentum(
+    client: TestClient, spec: dict[str, Any], stored: float | None, momentum: float | None
 ) -> None:
     r = client.post("/v1/runs", json={**TINY_RUN, "name": "lr", "inner_steps": 2, **spec}, headers=A)
     assert r.status_code == 201, r.text
     outer = client.get(f"/v1/runs/{r.json()['id']}", headers=A).json()["config"]["outer"]
     assert outer["async_lr"] == pytest.approx(stored) if stored is not None else outer["async_lr"] is None
+    assert outer["async_momentum"] == momentum
     assert outer["lr"] == spec.get("outer", {}).get("lr", 0.7)
+    assert outer["momentum"] == spec.get("outer", {}).get("momentum", 0.9)
 
 
 def test_dynamic_local_updates_scale_each_lease_with_its_island_speed(

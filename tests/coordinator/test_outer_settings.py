@@ -21,6 +21,7 @@ def test_average_with_token_weights_makes_each_module_the_token_weighted_mean(cl
         "lr": 0.7,
         "async_lr": None,  # round levels only
         "momentum": 0.9,
+        "async_momentum": None,
         "method": "average",
         "weighting": "tokens",
         "sqrt_rescale": True,

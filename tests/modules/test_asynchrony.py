@@ -139,13 +139,18 @@ def test_async_levels_step_with_async_lr_and_round_levels_with_lr(sync: str, lr:
             assert same(got.modules[lv][m], weights)
 
 
-def test_async_lr_is_checked_and_replaces_lr_on_async_steps() -> None:
+def test_async_lr_and_momentum_are_checked_and_replace_lr_and_momentum_on_async_steps() -> None:
     outer = OuterConfig(lr=0.7, async_lr=0.2, momentum=0.8)
     assert outer.for_async() == OuterConfig(lr=0.2, momentum=0.8)
     assert OuterConfig(lr=0.7).for_async() == OuterConfig(lr=0.7)  # runs created before async_lr
+    assert OuterConfig(momentum=0.9, async_momentum=0.0).for_async() == OuterConfig(momentum=0.0)
+    assert OuterConfig(lr=0.7, async_lr=0.35, async_momentum=0.8).for_async() == OuterConfig(lr=0.35, momentum=0.8)
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="outer async_lr must be finite and > 0"):
             OuterConfig(async_lr=bad)
+    for bad in (1.0, -0.1, math.nan):
+        with pytest.raises(ValueError, match="outer async_momentum must be in"):
+            OuterConfig(async_momentum=bad)
 
 
 def test_an_async_lease_that_does_not_fit_takes_the_tail_in_whole_steps() -> None:
