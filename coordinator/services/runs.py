@@ -158,6 +158,12 @@ def create_run(session: Session, blobs: BlobStore, spec: RunCreate, *, max_path_
             "min_inner_steps/max_inner_steps (dynamic local updates) need every level async: set sync to async "
             "and drop the ':round' levels of the layout"
         )
+    unused = [f"outer.{k}" for k in ("async_lr", "async_momentum") if getattr(spec.outer, k) is not None]
+    if unused and "async" not in modes:
+        raise Invalid(
+            f"{' and '.join(unused)} step the modules of async levels, and this run has none: set sync to async, "
+            "mark levels ':async' in the layout, or leave them out (round levels use outer.lr and outer.momentum)"
+        )
     if spec.path_leases is not None and spec.path_leases > 1 and "round" in modes:
         raise Invalid(
             f"path_leases ({spec.path_leases}) > 1 (path sharing) needs every level async: set sync to async and "

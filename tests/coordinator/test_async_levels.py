@@ -162,6 +162,8 @@ def test_a_hybrid_run_steps_async_levels_on_arrival_and_the_rest_per_round(
         ({"sync": "async", "outer": {"async_lr": "fast"}}, "async_lr"),
         ({"sync": "async", "outer": {"async_momentum": 1}}, "async_momentum"),
         ({"sync": "async", "outer": {"async_momentum": -0.1}}, "async_momentum"),
+        ({"outer": {"async_lr": 0.3}}, "outer.async_lr step the modules of async levels, and this run has none"),
+        ({"outer": {"async_momentum": 0.5, "async_lr": 0.3}}, "outer.async_lr and outer.async_momentum step"),
     ],
 )
 def test_bad_async_settings_are_refused_with_422(client: TestClient, spec: dict[str, Any], message: str) -> None:
