@@ -132,7 +132,7 @@ class Config:
     async_outer_lr: float | None = None
     """The async and hybrid runs' outer learning rate (None: the run default, half of round's)."""
     async_outer_momentum: float | None = None
-    """The async and hybrid runs' outer momentum on async levels (None: the run default, 0.7)."""
+    """The async and hybrid runs' outer momentum on async levels (None: the run default, 0.6)."""
 
 
 # ------------------------------------------------------------------------------------------ signals from outside

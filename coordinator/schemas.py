@@ -106,8 +106,8 @@ class OuterSpec(BaseModel):
         default=None,
         ge=0,
         lt=1,
-        description="Nesterov momentum of the modules on async levels; null: 0.7 (measured better per token than "
-        "0.8 and 0.9 with about every other contribution one step stale; the run stores the value)",
+        description="Nesterov momentum of the modules on async levels; null: 0.6 (measured better per token than "
+        "0.7, 0.8 and 0.9 with about every other contribution one step stale; the run stores the value)",
     )
     method: Literal["nesterov", "average"] = Field(
         default="nesterov",

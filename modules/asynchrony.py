@@ -14,7 +14,7 @@ Periods (Delayed Nesterov, arXiv 2401.09135)
     config's `async_lr` (`OuterConfig.for_async`): with about every other part one step stale, DiLoCo's 0.7
     overshoots and its momentum carries the overshoot, and half of it did better per token than round-sync
     (docs/LOG.md, 2026-12-04), so the coordinator's runs default to half of `lr`; likewise the momentum is the
-    config's `async_momentum`, 0.7 by default in the coordinator's runs (docs/LOG.md, 2026-12-06).
+    config's `async_momentum`, 0.6 by default in the coordinator's runs (docs/LOG.md, 2026-12-06).
     (2401.09135 also takes small momentum-free steps between two momentum steps, its factor c; here c = 0: the
     module does not move between steps.)
 Versions and staleness

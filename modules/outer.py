@@ -56,7 +56,7 @@ class OuterConfig:
     """Nesterov momentum; 0 gives plain outer SGD (lr 1, momentum 0 = plain averaging of trained weights)."""
     async_momentum: float | None = None
     """Nesterov momentum of modules on async levels; None: `momentum`. A run created with async levels stores its
-    own (the coordinator's default is 0.7: docs/LOG.md, 2026-12-06)."""
+    own (the coordinator's default is 0.6: docs/LOG.md, 2026-12-06)."""
     sqrt_rescale: bool = False
     """Multiply a module's averaged outer gradient by sqrt(number of contributing paths); see `rescale`."""
     method: Literal["nesterov", "average"] = "nesterov"

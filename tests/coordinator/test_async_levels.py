@@ -177,10 +177,10 @@ def test_bad_async_settings_are_refused_with_422(client: TestClient, spec: dict[
     ("spec", "stored", "momentum"),
     [
         ({}, None, None),  # round levels only: no async step size
-        ({"sync": "async"}, 0.35, 0.7),  # half of outer.lr, 0.7
-        ({"sync": "async", "outer": {"lr": 0.4, "momentum": 0.95}}, 0.2, 0.7),
+        ({"sync": "async"}, 0.35, 0.6),  # half of outer.lr, 0.6
+        ({"sync": "async", "outer": {"lr": 0.4, "momentum": 0.95}}, 0.2, 0.6),
         ({"sync": "async", "outer": {"async_lr": 0.5, "async_momentum": 0.0}}, 0.5, 0.0),
-        ({"layout": "embed:shared:async, b0-0:routed2, b1-1:routed2, head:shared:async"}, 0.35, 0.7),  # hybrid
+        ({"layout": "embed:shared:async, b0-0:routed2, b1-1:routed2, head:shared:async"}, 0.35, 0.6),  # hybrid
     ],
 )
 def test_a_run_with_async_levels_stores_its_async_step_size_and_momentum(
