@@ -1,10 +1,13 @@
-"""Async / hybrid bench: the same 2x2 debug model trained for the same wall budget three ways, by 4
+"""Async / hybrid bench: the same 2x2 debug model trained for the same wall budget up to four ways, by 4
 islands of which one is ~3x slower, slowed from outside its process by a duty-cycled SIGSTOP/SIGCONT (stopped
 2/3 of every 300 ms):
 
 * round: `sync=round`, every module steps when all 4 paths uploaded the round;
 * async: `sync=async`, staleness-damped Delayed Nesterov, dynamic local updates (H scaled by island speed
-  within `min_inner_steps..max_inner_steps`);
+  within `min_inner_steps..max_inner_steps`), `overlap` off: an island whose upload made its path's module
+  steps due waits for them;
+* overlap: async with `overlap` on (the run default): that island trains on through the steps from its own end
+  weights and moves onto the new versions when they land;
 * hybrid: embedding and head `:async` in the layout, the routed blocks by round.
 
 Each mode gets a fresh coordinator (`LocalService`: SQLite + blob dir) and 4 `dipaco island join` processes, on
@@ -27,19 +30,20 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
    over round's final (target within 3 %).
 2. Island idle share from the first lease to the end of the budget: time an island held no lease (nothing in
    the island or /metrics reports it), from the lease records over REST: a lease is busy from `issued_at` to its
-   accepted upload, its refusal event or its expiry. Target <= 2 % async.
+   accepted upload, its refusal event or its expiry; less the time an overlap lease waited after its last step for
+   the versions it trained through (from the islands' log lines). Target <= 2 % async.
 3. After the budget, a fast island is SIGSTOPped as soon as it holds a lease, for `stall_leases` of its lease
    lengths in the round run (the same seconds for every mode): contributions the other islands got accepted
    during the stall.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_async.py [--quick] [--budget-s 180] [--inner-steps 30]
         [--min-inner-steps 10] [--max-inner-steps 60] [--batch-size 16] [--points 6] [--eval-docs 200] [--seed 0]
-        [--slow-factor 3] [--island-nice 10] [--parts 1,2,3] [--modes round,async,hybrid]
+        [--slow-factor 3] [--island-nice 10] [--parts 1,2,3] [--modes round,async,overlap,hybrid]
         [--damping inverse|inverse_square|none]
         [--max-staleness S] [--path-leases N] [--async-outer-lr LR] [--async-outer-momentum M]
         [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
 
-The defaults take ~15-20 minutes on 2 cores, `--quick` (20 s per mode, H 10) ~3.5 minutes: a smoke test whose
+The defaults take ~20-25 minutes on 2 cores, `--quick` (20 s per mode, H 10) ~3.5 minutes: a smoke test whose
 numbers are dominated by per-lease overheads.
 """
 
@@ -50,6 +54,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -71,12 +76,13 @@ from dipaco.quality import HALVES, QualitySettings, VersionedWeights, prepare_co
 from dipaco.quality import standard_contenders as contenders
 from dipaco.router_commands import register_shards
 from dipaco.service import STOP_TIMEOUT_S, LocalService, ServiceError, tail
+from island.worker import OVERLAP_WAIT
 from modules import build_path
 from router.evaluate import EvalResult, evaluate_routed
 from router.router import Router
 from router.shards import ROUTER_DIR
 
-MODES = ("round", "async", "hybrid")
+MODES = ("round", "async", "overlap", "hybrid")
 ISLANDS = 4
 DUTY_PERIOD_S = 0.3
 SLOW_FACTOR = 3.0
@@ -225,6 +231,8 @@ class Trial:
     events: list[EventPublic] = field(default_factory=list)
     stall: tuple[float, float, int] | None = None
     """(start, end, island id) of part 3's stall."""
+    island_logs: list[Path] = field(default_factory=list)
+    """Each island's log, in `island_ids` order (overlap leases log how long they waited for their versions)."""
 
     def accepted(self, until: float) -> list[ContributionSummary]:
         return [c for c in self.contributions if c.created_at.timestamp() <= until]
@@ -240,8 +248,19 @@ class Trial:
         done = {c.lease_id: c.created_at.timestamp() for c in self.accepted(self.t_end)}
         return [done[x.id] - x.issued_at.timestamp() for x in self.leases if x.island_id == island_id and x.id in done]
 
+    def landed_wait(self, island_id: int) -> float:
+        """Seconds the island waited, within leases accepted in the budget, for the module versions its overlap
+        leases trained through (after their last inner step), from its log lines (`island.worker.OVERLAP_WAIT`)."""
+        index = self.island_ids.index(island_id)
+        if index >= len(self.island_logs) or not self.island_logs[index].exists():
+            return 0.0
+        text = " ".join(self.island_logs[index].read_text(errors="replace").split())  # undo the log's wrapping
+        record = re.compile(rf"round (\d+) path (\d+): loss (?:(?!round \d+ path).)*?{OVERLAP_WAIT} ([0-9.]+) s")
+        done = {(c.round, c.path_index) for c in self.accepted(self.t_end) if c.island_id == island_id}
+        return sum(float(w) for r, p, w in record.findall(text) if (int(r), int(p)) in done)
+
     def idle_share(self, island_id: int) -> float:
-        """Share of [t0, t_end] the island held no lease."""
+        """Share of [t0, t_end] the island held no lease, or waited inside an overlap lease for its versions."""
         done = {c.lease_id: c.created_at.timestamp() for c in self.contributions}
         refused = {e.lease_id: e.created_at.timestamp() for e in self.events if e.kind == EventKind.UPLOAD_REFUSED}
         spans = []
@@ -256,7 +275,7 @@ class Trial:
         for start, end in sorted(spans):
             busy += max(0.0, end - max(start, reach))
             reach = max(reach, end)
-        return 1.0 - busy / (self.t_end - self.t0)
+        return 1.0 - (busy - self.landed_wait(island_id)) / (self.t_end - self.t0)
 
     def turnarounds(self) -> list[float]:
         """Seconds from each accepted upload to its island's next lease (within the budget): the idle gaps."""
@@ -298,15 +317,16 @@ def run_spec(mode: str, layout: str, cfg: Config) -> RunCreate:
         "name": f"bench-async-{mode}",
         "model": {"flavour": "debug"},
         "layout": hybrid_layout(layout) if mode == "hybrid" else layout,
-        "sync": "async" if mode == "async" else "round",
+        "sync": "async" if mode in ("async", "overlap") else "round",
         "inner": {"batch_size": cfg.batch_size, "lr": 3e-3, "warmup_steps": 10},
         "inner_steps": cfg.inner_steps,
         "num_rounds": NUM_ROUNDS,
         "seed": cfg.seed,
         "lease_ttl_s": LEASE_TTL_S,
     }
-    if mode == "async":  # dynamic local updates are for all-async runs only
+    if mode in ("async", "overlap"):  # dynamic local updates are for all-async runs only
         spec |= {"min_inner_steps": cfg.min_inner_steps, "max_inner_steps": cfg.max_inner_steps}
+        spec["overlap"] = mode == "overlap"
         if cfg.path_leases is not None:
             spec["path_leases"] = cfg.path_leases
     if mode != "round":
@@ -395,6 +415,7 @@ def train(mode: str, cfg: Config, *, layout: str, shards_dir: Path, workdir: Pat
         t0 = time.time()
         throttle(slow)
         trial = Trial(mode, service, run.id, t0, t0 + cfg.budget_s, [ids[n] for n in names], Timeline())
+        trial.island_logs = [service.logs / f"{n}.log" for n in names]
         watch(service, run.id, trial.timeline, trial.t_end)
         trial.t_end = time.time()
         if 3 in cfg.parts:

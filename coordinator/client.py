@@ -69,6 +69,7 @@ from coordinator.schemas import (
     IslandJoin,
     IslandJoined,
     IslandPublic,
+    LeaseModules,
     LeasePublic,
     LeaseSummary,
     ListOf,
@@ -316,6 +317,22 @@ class CoordinatorClient(Session):
 
     # -- leases ------------------------------------------------------------------------------------------
 
+    def lease_modules(self, lease_id: int, *, wait_s: float = 0.0) -> LeaseModules:
+        """The modules of one of this island's pending leases at its base versions; `ready` once each has its
+        weights (an overlap lease's pending versions landed). With `wait_s` the coordinator holds the request
+        until they have, or the time is up. Raises `LeaseLost` on 409 (the lease is no longer pending)."""
+        what = f"modules of lease {lease_id}"
+        params: dict[str, Any] = {}
+        timeout: httpx.Timeout | None = None
+        if wait_s > 0:
+            params["wait"] = wait_s
+            t = self._timeout
+            timeout = httpx.Timeout(connect=t.connect, read=(t.read or 60.0) + wait_s, write=t.write, pool=t.pool)
+        response = self.request("GET", f"/v1/leases/{lease_id}/modules", what=what, params=params, timeout=timeout)
+        if response.status_code == 409:
+            raise LeaseLost(lease_id, detail(response))
+        return self.parse(LeaseModules, self.check(response, what=what, ok=(200,)), what=what)
+
     def release(self, lease_id: int, *, give_up_after_s: float | None = None) -> None:
         """Give a lease back. A 409 (already closed / not active) is fine: nothing left to give back."""
         what = f"release of lease {lease_id}"
@@ -331,11 +348,14 @@ class CoordinatorClient(Session):
         train_loss: float,
         heldout_loss: float | None = None,
         next_lease: bool = False,
+        overlap: bool = False,
     ) -> ContributionPublic:
         """Stream the outer gradients of a lease (with the start weights' held-out loss, when scored). Idempotent on
         the server, so retries are safe. The body's sha256 goes with it (`X-Dipaco-Content-Sha256`), so the
         coordinator need not hash it while receiving; its apply executor checks it. With `next_lease` the reply
-        may carry the island's next lease (`ContributionPublic.next_lease`).
+        may carry the island's next lease (`ContributionPublic.next_lease`); with `overlap` too (a run with
+        `overlap`), that lease may train through module steps due on the uploaded path (its pending modules come
+        without weights: see `lease_modules`).
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
@@ -348,8 +368,7 @@ class CoordinatorClient(Session):
         if heldout_loss is not None:
             headers[H_HELDOUT_LOSS] = repr(float(heldout_loss))
         url = f"/v1/leases/{lease.lease_id}/outer-gradients"
-        params = {"next_lease": "true"} if next_lease else None
-        response = self.send(url, payload, what=what, headers=headers, params=params)
+        response = self.send(url, payload, what=what, headers=headers, params=_next_lease(next_lease, overlap))
         if response.status_code == 409:
             raise LeaseLost(lease.lease_id, detail(response))
         return self.parse(ContributionPublic, self.check(response, what=what, ok=(200, 201)), what=what)
@@ -363,12 +382,13 @@ class CoordinatorClient(Session):
         train_loss: float,
         heldout_loss: float | None = None,
         next_lease: bool = False,
+        overlap: bool = False,
     ) -> ContributionPublic:
         """Direct transfers (`lease.direct_upload`): ask for a ticket, PUT the outer gradients to the bucket (in
         the ticket's parts when it is a multipart upload, collecting each part's ETag), commit them. Each request
         retries (a part that fails with a 5xx or a lost connection is PUT again); a PUT the bucket refuses with
         403 (e.g. the URL expired while the body was on its way) gets a new ticket once; a commit is idempotent
-        on the server. `next_lease` as in `upload`.
+        on the server. `next_lease` and `overlap` as in `upload`.
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"direct upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
@@ -401,7 +421,7 @@ class CoordinatorClient(Session):
             f"/v1/leases/{lease.lease_id}/commit",
             what=f"{what}: commit",
             json=commit.model_dump(),
-            params={"next_lease": "true"} if next_lease else None,
+            params=_next_lease(next_lease, overlap),
         )
         if response.status_code == 409:
             raise LeaseLost(lease.lease_id, detail(response))
@@ -469,3 +489,11 @@ class CoordinatorClient(Session):
         """Lease expiries, refused uploads and revocations with an id above `after`, oldest first."""
         params = {"run_id": run_id, "kind": kind, "after": after, "order": "asc"}
         return self.list_all("/v1/events", EventPublic, what="list of events", params=params)
+
+
+def _next_lease(next_lease: bool, overlap: bool) -> dict[str, str] | None:
+    """The query of an upload or commit that asks for the next lease with the reply (and may take one that trains
+    through module steps due on the uploaded path)."""
+    if not next_lease:
+        return None
+    return {"next_lease": "true", "overlap": "true"} if overlap else {"next_lease": "true"}

@@ -222,6 +222,12 @@ class RunCreate(BaseModel):
         "path's current modules (path sharing: an island whose home path is ahead by more than one of its leases "
         "helps the path that trained least); 1: one island per path; null: 2 when every level is async, else 1",
     )
+    overlap: bool | None = Field(
+        default=None,
+        description="All-async runs: while module steps are due on a path, the island that just uploaded it may take "
+        "its next lease on it at once, against the versions those steps will make: it trains on from its own end "
+        "weights and moves onto the new versions when they land (no wait for the steps); null: on in all-async runs",
+    )
     heldout_tokens: int = Field(
         default=4096,
         ge=0,
@@ -392,7 +398,10 @@ class LeaseModule(BaseModel):
     level_name: str
     module_id: int
     version: int
-    weights_hash: str
+    weights_hash: str | None = Field(
+        description="null: the version is not stepped yet (an overlap lease, run field `overlap`): train on from your "
+        "own end weights of the path and fetch this version from `GET /v1/leases/{id}/modules` when it lands"
+    )
     url: str | None = Field(default=None, description="Pre-signed GET of the weights in the bucket (direct transfers)")
 
 
@@ -469,6 +478,15 @@ class ContributionPublic(BaseModel):
         "accepted, when one was ready at once (none after a retried upload, one that closed its round or made a "
         "module step due, or when there is no work now: then ask `POST /v1/islands/{id}/lease` as usual)",
     )
+
+
+class LeaseModules(BaseModel):
+    """`GET /v1/leases/{id}/modules`: the lease's modules at its base versions; `ready` once every one of them is
+    stepped (an overlap lease's pending versions have landed), with the hash of each."""
+
+    lease_id: int
+    ready: bool
+    modules: list[LeaseModule]
 
 
 class LeaseReleased(BaseModel):

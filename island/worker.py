@@ -155,6 +155,10 @@ class LeaseResult:
     """Seconds spent encoding and uploading the outer gradients."""
     heldout_loss: float | None = None
     """The start weights' mean loss on the path's held-out slice (`LeasePublic.heldout`), when the run keeps one."""
+    landed_wait_s: float | None = None
+    """Overlap leases: seconds the island waited after its inner steps for the versions it trained through."""
+    rebased_at: int | None = None
+    """Overlap leases: inner steps taken before the model moved onto the landed versions (H: after the last)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +177,59 @@ class _Inputs:
     """The lease's token range of the shard (int64)."""
     heldout: torch.Tensor | None = None
     """The tokens of the path's held-out slice to score the start weights on (int64), when the run keeps one."""
+    pending: list[int] = field(default_factory=list)
+    """Overlap lease: indices of `levels` whose version has not landed yet; their `base` is the island's own end
+    weights of the path until `_Rebase` moves the model onto the landed version."""
+
+
+@dataclass(frozen=True, slots=True)
+class _EndWeights:
+    """The trained weights of the island's last accepted lease, per module id: where an overlap lease on the same
+    path starts (`_Rebase`)."""
+
+    run_id: int
+    path_id: int
+    modules: dict[int, dict[str, torch.Tensor]]
+
+
+LANDED_WAIT_S = 5.0
+"""Long polling of an overlap lease's pending module versions (they land with a module step: well under this)."""
+
+
+class _Rebase:
+    """An overlap lease's pending module versions, fetched on a thread while the inner steps run. When they land,
+    each pending module's weights move by (landed version - end weights it started from): the model then holds
+    the landed version plus what the steps so far trained, as if it had started there, and the outer gradient is
+    taken against the landed version (`inputs.base`)."""
+
+    def __init__(self, future: Future[dict[int, dict[str, torch.Tensor]]], inputs: _Inputs) -> None:
+        self._future = future
+        self._inputs = inputs
+        self.at: int | None = None
+        """Inner steps taken before the rebase; None until it happened."""
+
+    def maybe(self, model: PathModel, step: int) -> None:
+        """Before inner step `step`: rebase if the versions landed (a failed fetch is raised by `finish`)."""
+        if self.at is None and self._future.done() and self._future.exception() is None:
+            self._apply(model)
+            self.at = step
+
+    def finish(self, model: PathModel, steps: int) -> None:
+        """After the `steps` inner steps: wait for the versions if they have not landed yet, and rebase."""
+        if self.at is None:
+            self._apply(model)
+            self.at = steps
+
+    def _apply(self, model: PathModel) -> None:
+        landed = self._future.result()
+        state = model.state_dict()
+        with torch.no_grad():
+            for index, weights in landed.items():
+                start = self._inputs.base[index]
+                for name, new in weights.items():
+                    param = state[name]
+                    param.add_(new.to(param.device, param.dtype) - start[name].to(param.device, param.dtype))
+                self._inputs.base[index] = weights
 
 
 class Island:
@@ -216,6 +273,10 @@ class Island:
         their own copy of it)."""
         self._residuals = InnerStates(config.optimizer_cache)
         """Error-feedback residual of the run's codec per (run, path), kept like the inner state (rank 0 only)."""
+        self._ends: _EndWeights | None = None
+        """The trained weights of the last accepted lease, while the lease its reply brought trains through that
+        path's module steps (an overlap lease starts there; one copy of the path's weights in memory)."""
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dipaco-landed-weights")
         self._leader: Leader | None = None
         self._stall = Stall.from_env()
         self._downloaded = 0
@@ -363,6 +424,7 @@ class Island:
         held by the coordinator is left to finish: once the island has left, no lease is issued to it."""
         asking, self._asking = self._asking, None
         self._asker.shutdown(wait=False, cancel_futures=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
         if asking is None or not asking.done() or asking.cancelled() or asking.exception() is not None:
             return None
         return asking.result()
@@ -421,6 +483,9 @@ class Island:
         t_fetch = time.perf_counter()
         inputs = self._prepare(lease)
         model, optimizer = self._resume(lease, inputs)
+        rebase = None
+        if inputs.pending:
+            rebase = _Rebase(self._fetcher.submit(self._landed_weights, lease, inputs), inputs)
         result = _result(
             lease,
             "uploaded",
@@ -428,33 +493,37 @@ class Island:
             download_bytes=self._downloaded,
             fetch_s=time.perf_counter() - t_fetch,
         )
-        if inputs.heldout is not None:  # the start weights: the modules' versions the lease was given
-            try:
-                result.heldout_loss = heldout_loss(
-                    model, inputs.heldout, max_tokens=inputs.heldout.numel(), device=self.device
-                )
-            except ValueError as exc:  # too short to score: train anyway, report no held-out loss
-                log.warning("%s: held-out slice not scored: %s", inputs.where, exc)
+        if rebase is None:  # the start weights: the modules' versions the lease was given
+            result.heldout_loss = self._score_start(model, inputs)
         torch.manual_seed(lease.seed + self.config.seed_offset)
         batches = batches_from_tokens(
             inputs.tokens, batch_size=inputs.inner.batch_size, seq_len=inputs.model_cfg.seq_len, steps=lease.inner_steps
         )
-        elapsed = self._inner_steps(lease, model, optimizer, batches, inputs.inner, result)
+        elapsed = self._inner_steps(lease, model, optimizer, batches, inputs.inner, result, rebase=rebase)
         if result.status == "stopped":
             self._give_back(lease, inputs.where, result)
             return result
+        if rebase is not None:  # the outer gradient is taken against the landed versions; they are scored
+            t_wait = time.perf_counter()
+            rebase.finish(model, len(result.losses))
+            result.landed_wait_s, result.rebased_at = time.perf_counter() - t_wait, rebase.at
+            scored = build_path(inputs.model_cfg, inputs.base).to(self.device)
+            result.heldout_loss = self._score_start(scored, inputs)
         result.train_s = elapsed
         result.tokens_per_s = result.tokens / max(elapsed, 1e-9)
         rows = touched_rows(batches, inputs.model_cfg.vocab_size) if lease.sparse_rows else None
-        contribution, residual = self._upload(lease, inputs, model, rows=rows, result=result)
+        contribution, residual, ends = self._upload(lease, inputs, model, rows=rows, result=result)
         self._ask_early(contribution.next_lease)
         # The inner state and the codec's residual are kept only once the coordinator has accepted the work.
         key = (lease.run_id, lease.path_id)
         self._inner_states.accept(key, lease.lease_id, optimizer.state_dict())
         if residual:
             self._residuals.accept(key, lease.lease_id, residual)
+        nxt = contribution.next_lease
+        through = nxt is not None and any(m.weights_hash is None for m in nxt.modules)
+        self._ends = _EndWeights(lease.run_id, lease.path_id, ends) if through else None  # only the lease using them
         log.info(
-            "round %d path %d: loss %.4f→%.4f%s, %.0f tok/s, upload %.2f MB%s",
+            "round %d path %d: loss %.4f→%.4f%s, %.0f tok/s, upload %.2f MB%s%s",
             lease.round,
             lease.path_index,
             result.losses[0],
@@ -463,11 +532,51 @@ class Island:
             result.tokens_per_s,
             result.upload_bytes / 1e6,
             " (completed the round)" if contribution.round_applied else "",
+            _overlap_note(result),
         )
         return result
 
+    @property
+    def _overlaps(self) -> bool:
+        """Whether this island takes overlap leases (run field `overlap`): single-process islands (the followers of
+        a multi-process one would have to rebase in step with rank 0)."""
+        return not self.ranks.distributed
+
+    def _score_start(self, model: PathModel, inputs: _Inputs) -> float | None:
+        """The held-out loss of the lease's start weights (None when the run keeps no slice or it is too short)."""
+        if inputs.heldout is None:
+            return None
+        try:
+            return heldout_loss(model, inputs.heldout, max_tokens=inputs.heldout.numel(), device=self.device)
+        except ValueError as exc:  # too short to score: train anyway, report no held-out loss
+            log.warning("%s: held-out slice not scored: %s", inputs.where, exc)
+            return None
+
+    def _landed(self, lease: LeasePublic, where: str) -> list[LeaseModule]:
+        """An overlap lease's modules once every one of their versions has landed (long polling); raises
+        `LeaseLost` when the lease is gone, `IslandError` when the coordinator answers other versions."""
+        assert self._heartbeat is not None
+        while True:
+            got = self.client.lease_modules(lease.lease_id, wait_s=LANDED_WAIT_S)
+            if got.ready:
+                break
+            if self._stop.is_set() or self._heartbeat.lease_lost:
+                raise LeaseLost(lease.lease_id, "gone while its module versions were pending")
+        wanted = {m.module_id: m.version for m in lease.modules}
+        if {m.module_id: m.version for m in got.modules} != wanted:
+            raise IslandError(f"{where}: the coordinator answered other module versions than the lease's {wanted}")
+        return sorted(got.modules, key=lambda m: m.level)
+
+    def _landed_weights(self, lease: LeasePublic, inputs: _Inputs) -> dict[int, dict[str, torch.Tensor]]:
+        """The weights of an overlap lease's pending versions once they land, by index in `inputs.levels` (on the
+        fetch thread)."""
+        landed = {m.module_id: m for m in self._landed(lease, inputs.where)}
+        return {i: self._module_weights(landed[inputs.levels[i].module_id], inputs.where) for i in inputs.pending}
+
     def _prepare(self, lease: LeasePublic) -> _Inputs:
-        """Check the lease's configs, get its module weights and token range (cache or network)."""
+        """Check the lease's configs, get its module weights and token range (cache or network). An overlap lease's
+        pending modules start from this island's end weights of the path (`_Rebase`), or, where it kept none (a
+        restart, another path), from their versions once landed."""
         assert self._heartbeat is not None
         where = f"lease {lease.lease_id} (run {lease.run_id}, round {lease.round}, path {lease.path_index})"
         try:
@@ -477,13 +586,32 @@ class Island:
             raise IslandError(f"{where}: bad model or inner config: {exc}") from exc
         self._downloaded = 0
         levels = sorted(lease.modules, key=lambda m: m.level)
-        base = [self._module_weights(m, where) for m in levels]
+        pending = [i for i, m in enumerate(levels) if m.weights_hash is None]
+        ends = self._ends
+        if pending and (
+            ends is None
+            or (ends.run_id, ends.path_id) != (lease.run_id, lease.path_id)
+            or any(levels[i].module_id not in ends.modules for i in pending)
+        ):
+            log.info("%s: no end weights of this path kept here; waiting for its module versions", where)
+            levels, pending, ends = self._landed(lease, where), [], None
+        base = [
+            ends.modules[m.module_id] if ends is not None and i in pending else self._module_weights(m, where)
+            for i, m in enumerate(levels)
+        ]
         tokens = self._tokens(lease, model_cfg, inner, where)
         heldout = self._heldout(lease)
         if self._heartbeat.lease_lost:
             raise LeaseLost(lease.lease_id, "heartbeat reply no longer lists it")
         return _Inputs(
-            where=where, model_cfg=model_cfg, inner=inner, levels=levels, base=base, tokens=tokens, heldout=heldout
+            where=where,
+            model_cfg=model_cfg,
+            inner=inner,
+            levels=levels,
+            base=base,
+            tokens=tokens,
+            heldout=heldout,
+            pending=pending,
         )
 
     def _resume(self, lease: LeasePublic, inputs: _Inputs) -> tuple[PathModel, torch.optim.Optimizer]:
@@ -515,6 +643,8 @@ class Island:
         batches: list[tuple[torch.Tensor, torch.Tensor]],
         inner: InnerConfig,
         result: LeaseResult,
+        *,
+        rebase: _Rebase | None = None,
     ) -> float:
         """Run the H inner steps (stop / lost checks before each); returns seconds spent training.
 
@@ -535,6 +665,8 @@ class Island:
             if heartbeat.lease_lost:
                 lost = True
                 return False
+            if rebase is not None:
+                rebase.maybe(model, i)
             return True
 
         progress = LeaseProgress(
@@ -578,20 +710,24 @@ class Island:
         *,
         rows: torch.Tensor | None,
         result: LeaseResult,
-    ) -> tuple[ContributionPublic, dict[str, torch.Tensor]]:
+    ) -> tuple[ContributionPublic, dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
         """Encode the per-module outer gradients with the run's codec and upload them; raises `LeaseLost` on 409.
         With `rows` (sparse rows) the embedding goes as those rows only.
 
         Returns the contribution and the codec's new error-feedback residual (what quantisation lost this time,
         and with sparse rows what the rows not sent did, added to the next lease's outer gradient of the path),
-        for the caller to keep once the work is accepted.
+        for the caller to keep once the work is accepted; and the trained weights per module id (`_EndWeights`).
         """
         t_upload = time.perf_counter()
         feedback = ErrorFeedback()
         lossy = lease.codec != "fp32" or rows is not None  # fp32 of every row loses nothing: no residual to carry
         if lossy:
             feedback.residual = self._residuals.get((lease.run_id, lease.path_id)) or {}
-        grads = _outer_gradients(inputs.levels, inputs.base, model)
+        trained = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
+        ends = {
+            m.module_id: {name: trained[name] for name in w} for m, w in zip(inputs.levels, inputs.base, strict=True)
+        }
+        grads = _outer_gradients(inputs.levels, inputs.base, ends)
         sparse = {f"{SPARSE_LEVEL}{GRAD_KEY_SEP}{SPARSE_PARAM}": rows} if rows is not None else None
         payload = encode_grad(grads, lease.codec, error_feedback=feedback if lossy else None, rows=sparse)
         result.upload_bytes = len(payload)
@@ -604,19 +740,24 @@ class Island:
             train_loss=mean_loss,
             heldout_loss=result.heldout_loss,
             next_lease=self._wants_more(),  # the reply may carry it: no request, no gap before the next lease
+            overlap=self._overlaps,
         )
         result.upload_s = time.perf_counter() - t_upload
-        return contribution, feedback.residual
+        return contribution, feedback.residual, ends
 
     # -- inputs ----------------------------------------------------------------------------------------------
 
     def _module_weights(self, module: LeaseModule, where: str) -> dict[str, torch.Tensor]:
+        digest = module.weights_hash
+        if digest is None:
+            raise IslandError(f"{where}: module {module.module_id} v{module.version} has no weights yet")
+
         def fetch() -> bytes:
             data = self.client.module_weights(module.module_id, module.version, module.weights_hash, url=module.url)
             self._downloaded += len(data)
             return data
 
-        data = self.cache.get_or_fetch(module.weights_hash, _retry_integrity_once(fetch))
+        data = self.cache.get_or_fetch(digest, _retry_integrity_once(fetch))
         try:
             return decode(data)
         except CodecError as exc:
@@ -664,15 +805,26 @@ def _result(lease: LeasePublic, status: Literal["uploaded", "lost", "stopped"], 
 
 
 def _outer_gradients(
-    levels: list[LeaseModule], base: list[dict[str, torch.Tensor]], model: PathModel
+    levels: list[LeaseModule], base: list[dict[str, torch.Tensor]], trained: dict[int, dict[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
     """Per-module base − trained, named f"{level_name}/{param_name}" (the upload contract)."""
-    trained = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
     grads: dict[str, torch.Tensor] = {}
     for module, weights in zip(levels, base, strict=True):
-        outer = pseudo_gradient(weights, {name: trained[name] for name in weights})
+        outer = pseudo_gradient(weights, trained[module.module_id])
         grads.update({f"{module.level_name}{GRAD_KEY_SEP}{name}": t for name, t in outer.items()})
     return grads
+
+
+def _overlap_note(result: LeaseResult) -> str:
+    """For the log line of an overlap lease: when it moved onto the landed versions, and how long it waited for
+    them after its last step (`OVERLAP_WAIT`; bench/bench_async.py counts that wait as idle)."""
+    if result.rebased_at is None:
+        return ""
+    return f", rebased before step {result.rebased_at} ({OVERLAP_WAIT} {result.landed_wait_s or 0.0:.3f} s)"
+
+
+OVERLAP_WAIT = "waited after training"
+"""The words before the seconds an overlap lease waited for its versions, in its log line."""
 
 
 def _retry_integrity_once(fetch: Callable[[], bytes]) -> Callable[[], bytes]:

@@ -38,6 +38,7 @@ def test_http_routes(tmp_path: Path) -> None:
         ("GET", "/v1/events"),
         ("GET", "/v1/islands"),
         ("GET", "/v1/leases"),
+        ("GET", "/v1/leases/{lease_id}/modules"),
         ("GET", "/v1/modules"),
         ("GET", "/v1/modules/{module_id}"),
         ("GET", "/v1/modules/{module_id}/weights"),

@@ -27,7 +27,7 @@ from coordinator.blobstore import S3BlobStore
 from coordinator.db import reading, start_writing
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
-from coordinator.schemas import IdleReason, LeasePublic
+from coordinator.schemas import IdleReason, LeaseModule, LeaseModules, LeasePublic
 from coordinator.services import leases
 from coordinator.services.closing import RoundCloser
 from coordinator.services.leases import Affinity, OpenRound
@@ -112,16 +112,60 @@ class LeaseDispatcher:
             await self._wakeups.wait(ticket, left)
             held += time.monotonic() - started
 
+    async def lease_through(self, island_id: int, path_id: int) -> LeasePublic | None:
+        """The island's next lease right after its upload on `path_id` was accepted, in a run with `overlap`: it
+        may train through module steps due on that path (`leases.acquire_through`); None when the run does not
+        overlap or no path is free."""
+        async with self._slots:
+            lease = await run_in_threadpool(self._through, island_id, path_id)
+        return None if lease is None else self._with_urls(lease)
+
+    def _through(self, island_id: int, path_id: int) -> LeasePublic | None:
+        with reading(), self._sessions() as session:
+            lease = leases.acquire_through(
+                session, island_id, path_id, now=self._clock(), affinity=self._affinity, max_leases=self._max_leases
+            )
+        if lease is not None:
+            self._metrics.leases_issued.inc()
+        return lease
+
+    async def lease_modules(self, lease_id: int, island_id: int, *, wait_s: float) -> LeaseModules:
+        """The modules of the island's pending lease at its base versions (`leases.lease_modules`); with `wait_s`
+        the request is held until they are all stepped or the time is up (a committed step wakes it)."""
+        until = time.monotonic() + wait_s
+        while True:
+            ticket = self._wakeups.ticket()
+            found = await run_in_threadpool(self._lease_modules, lease_id, island_id)
+            left = until - time.monotonic()
+            if found.ready or left <= 0:
+                return found.model_copy(update={"modules": self._module_urls(found.modules)})
+            await self._wakeups.wait(ticket, left)
+
+    def _lease_modules(self, lease_id: int, island_id: int) -> LeaseModules:
+        with reading(), self._sessions() as session:
+            found = leases.lease_modules(session, lease_id, island_id)
+            session.rollback()
+        return found
+
+    def _module_urls(self, modules: list[LeaseModule]) -> list[LeaseModule]:
+        """Modules with pre-signed GETs of their weights (s3:// stores only; not for versions still pending)."""
+        if self._direct is None:
+            return modules
+        expiry = self._presign_expiry_s
+        return [
+            m
+            if m.weights_hash is None
+            else m.model_copy(update={"url": self._direct.presign_get(m.weights_hash, expires_s=expiry)})
+            for m in modules
+        ]
+
     def _with_urls(self, lease: LeasePublic) -> LeasePublic:
         """The lease with pre-signed GETs of its modules, shard and held-out slice, and direct upload on (s3://
         stores only)."""
         if self._direct is None:
             return lease
         expiry = self._presign_expiry_s
-        modules = [
-            m.model_copy(update={"url": self._direct.presign_get(m.weights_hash, expires_s=expiry)})
-            for m in lease.modules
-        ]
+        modules = self._module_urls(lease.modules)
         shard = lease.shard.model_copy(
             update={"url": self._direct.presign_get(lease.shard.tokens_hash, expires_s=expiry)}
         )

@@ -22,6 +22,7 @@ write lock (`db.start_writing` where it finds some).
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Container
 from dataclasses import dataclass
@@ -39,15 +40,16 @@ from coordinator.models import (
     Level,
     Module,
     ModuleStep,
+    ModuleVersion,
     Path,
     PathModule,
     Round,
     Run,
     Shard,
 )
-from coordinator.schemas import LeaseHeldout, LeaseModule, LeasePublic, LeaseShard
+from coordinator.schemas import LeaseHeldout, LeaseModule, LeaseModules, LeasePublic, LeaseShard
 from coordinator.services.events import ExpiredLease, add_lease_expiries
-from coordinator.services.runs import inner_step_bounds, tokens_per_lease
+from coordinator.services.runs import inner_step_bounds, overlap, tokens_per_lease
 from coordinator.services.sharing import Span, home_paths, live_islands, plan_lease, stepping, wrap_range
 from coordinator.states import PENDING_LEASES, IslandStatus, LeaseStatus, RoundStatus, RunStatus, StepStatus
 from coordinator.timeutil import as_utc
@@ -223,11 +225,14 @@ def _choose_locked(
     return path, _shard_view(run, *shard), bool(has_stale)
 
 
-def _own_path_stepping(session: Session, run_id: int, island_id: int, budget: int) -> bool:
+def _own_path_stepping(session: Session, run_id: int, island_id: int, budget: int, *, through: int | None) -> bool:
     """Whether the island's home path in the run still has steps to train but waits for a module step: the
-    island then waits for it (well under a lease's time) rather than taking another path cold."""
+    island then waits for it (well under a lease's time) rather than taking another path cold; not when it may
+    train through the step (`through` is that path, `acquire_through`)."""
     own = home_paths(run_id, select(literal(island_id))).scalar_subquery()
     held = select(Path.id).where(Path.id == own, Path.steps_done < budget, stepping(Path.id))
+    if through is not None:
+        held = held.where(Path.id != through)
     return session.scalar(held) is not None
 
 
@@ -285,20 +290,31 @@ def acquire_lease(
 
 
 def _acquire_free(
-    session: Session, island_id: int, rnd: OpenRound, *, now: datetime, max_leases: int, affinity: Affinity
+    session: Session,
+    island_id: int,
+    rnd: OpenRound,
+    *,
+    now: datetime,
+    max_leases: int,
+    affinity: Affinity,
+    through: int | None = None,
 ) -> tuple[LeasePublic, int] | None:
     """A lease of an all-async run (committed): the same probe-then-lock as a round's, on the path's own count
     (`sharing.plan_lease` chooses the path and span). With affinity on, an island whose home path waits for a
-    module step waits too (`_own_path_stepping`)."""
+    module step waits too (`_own_path_stepping`), unless it may train through the step on that path (`through`,
+    `acquire_through`)."""
     run = session.get(Run, rnd.run_id)
     if run is None:
         return None
     budget = run.num_rounds * run.inner_steps
-    if affinity.reserve_s > 0 and _own_path_stepping(session, rnd.run_id, island_id, budget):
+    if affinity.reserve_s > 0 and _own_path_stepping(session, rnd.run_id, island_id, budget, through=through):
         return None
     live_s = affinity.live_s if affinity.reserve_s > 0 else None
     wanted = lease_steps(session, run, island_id)
-    if plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, live_s=live_s) is None:
+    plan = functools.partial(
+        plan_lease, session, island_id=island_id, now=now, budget=budget, wanted=wanted, live_s=live_s, through=through
+    )
+    if through is None and plan(run) is None:  # the probe spares idle islands the lock; an upload's reply asks once
         session.rollback()
         return None
     start_writing(session)
@@ -309,15 +325,64 @@ def _acquire_free(
         session.rollback()
         return None
     expired = expire_stale_leases(session, now=now, run_id=run.id)
-    planned = plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, live_s=live_s)
+    planned = plan(run)
     if planned is None:
         session.rollback()
         return None
     _check_capacity(session, island_id, now=now, max_leases=max_leases)
     path, span = planned
-    lease = _issue(session, run, path, island_id, now=now, span=span)
+    lease = _issue(session, run, path, island_id, now=now, span=span, ahead=through is not None)
     session.commit()
     return lease, expired
+
+
+def acquire_through(
+    session: Session, island_id: int, path_id: int, *, now: datetime, affinity: Affinity, max_leases: int
+) -> LeasePublic | None:
+    """The island's next lease right after its upload on `path_id` was accepted, in a run with `overlap`
+    (committed): that path may be leased while module steps are due on it (whoever's upload made them due),
+    against the versions those steps will make (`_modules(ahead=True)`: those modules come without weights; the
+    island trains on from its own end weights of the path and fetches them from `lease_modules` when they land);
+    else as a lease request would. None when the run does not overlap, or no path is free."""
+    run = session.scalar(select(Run).join(Path, Path.run_id == Run.id).where(Path.id == path_id))
+    if run is None or run.status != RunStatus.RUNNING or run.schedule != "async" or not overlap(run):
+        session.rollback()
+        return None
+    rnd = OpenRound(run.id, run.current_round, None, None, schedule=run.schedule)
+    issued = _acquire_free(session, island_id, rnd, now=now, max_leases=max_leases, affinity=affinity, through=path_id)
+    return None if issued is None else issued[0]
+
+
+def lease_modules(session: Session, lease_id: int, island_id: int) -> LeaseModules:
+    """The modules of the island's pending lease at its base versions, each with its weights once that version
+    exists (`LeaseModules.ready` when all do). 404 for an unknown lease, 403 for another island's, 409 once it
+    is no longer pending."""
+    lease = get_lease(session, lease_id)
+    if lease.island_id != island_id:
+        raise Forbidden(f"lease {lease_id} belongs to island {lease.island_id}, not island {island_id}")
+    if lease.status not in PENDING_LEASES:
+        raise Conflict(f"lease {lease_id} is {lease.status.value}: its modules are no longer served to it")
+    bases = {int(k): int(v) for k, v in lease.base_versions.items()}
+    hashes = {
+        module_id: digest
+        for module_id, version, digest in session.execute(
+            select(ModuleVersion.module_id, ModuleVersion.version, ModuleVersion.weights_hash).where(
+                ModuleVersion.module_id.in_(list(bases)), ModuleVersion.version.in_(set(bases.values()))
+            )
+        )
+        if bases.get(module_id) == version
+    }
+    modules = [
+        LeaseModule(level=level, level_name=name, module_id=mid, version=bases[mid], weights_hash=hashes.get(mid))
+        for mid, level, name in session.execute(
+            select(Module.id, Module.level_index, Level.name)
+            .join(PathModule, PathModule.module_id == Module.id)
+            .join(Level, Level.id == Module.level_id)
+            .where(PathModule.path_id == lease.path_id)
+            .order_by(Module.level_index)
+        )
+    ]
+    return LeaseModules(lease_id=lease.id, ready=all(m.weights_hash is not None for m in modules), modules=modules)
 
 
 RECENT_LEASES = 3
@@ -486,18 +551,36 @@ def _shard_view(
     return shard, heldout
 
 
-def _modules(session: Session, path_id: int) -> list[LeaseModule]:
-    """The path's modules at their current versions, by level."""
-    return [
-        LeaseModule(level=level, level_name=name, module_id=module_id, version=version, weights_hash=weights)
-        for module_id, level, version, weights, name in session.execute(
-            select(Module.id, Module.level_index, Module.version, Module.weights_hash, Level.name)
-            .join(PathModule, PathModule.module_id == Module.id)
-            .join(Level, Level.id == Module.level_id)
-            .where(PathModule.path_id == path_id)
-            .order_by(Module.level_index)
+def _modules(session: Session, path_id: int, *, ahead: bool = False) -> list[LeaseModule]:
+    """The path's modules at their current versions, by level; with `ahead`, an async module whose steps are due
+    at the version they will make (its period), without weights (an overlap lease, `acquire_through`)."""
+    modules = []
+    for module_id, level, version, weights, name, period, period_size in session.execute(
+        select(
+            Module.id,
+            Module.level_index,
+            Module.version,
+            Module.weights_hash,
+            Level.name,
+            Module.period,
+            Module.period_size,
         )
-    ]
+        .join(PathModule, PathModule.module_id == Module.id)
+        .join(Level, Level.id == Module.level_id)
+        .where(PathModule.path_id == path_id)
+        .order_by(Module.level_index)
+    ):
+        pending = ahead and period_size is not None and period > version
+        modules.append(
+            LeaseModule(
+                level=level,
+                level_name=name,
+                module_id=module_id,
+                version=period if pending else version,
+                weights_hash=None if pending else weights,
+            )
+        )
+    return modules
 
 
 def _new_lease(
@@ -579,12 +662,13 @@ def _issue(
     now: datetime,
     span: Span | None = None,
     shard: tuple[LeaseShard, LeaseHeldout | None] | None = None,
+    ahead: bool = False,
 ) -> LeasePublic:
     """Insert a lease of `path` for the island (flushed, not committed) and return its view; `shard` when the
-    caller read it already (`_choose_locked`)."""
+    caller read it already (`_choose_locked`); `ahead` as in `_modules`."""
     if shard is None:
         shard = _shard(session, run, path.index)
-    modules = _modules(session, path.id)
+    modules = _modules(session, path.id, ahead=ahead)
     expires = now + timedelta(seconds=run.lease_ttl_s)
     versions = {str(m.module_id): m.version for m in modules}
     lease = _new_lease(

@@ -186,11 +186,13 @@ def plan_lease(
     budget: int,
     wanted: int,
     live_s: float | None,
+    through: int | None = None,
 ) -> tuple[Path, Span] | None:
     """The path and span of the island's next lease in an all-async run, or None when no path may take one.
 
     A path may take a lease while its inner steps (accepted or leased) are under `budget`, no module of it is
-    stepping, and fewer than `path_leases` leases hold it; a free path that is another live island's home
+    stepping (but `through`, the path an overlap lease may train through its steps: `leases.acquire_through`), and
+    fewer than `path_leases` leases hold it; a free path that is another live island's home
     (heartbeat within `live_s`; None: no reservation) is kept for it. The island's home path comes
     first, unless a held path is behind it by more than `wanted` steps (one lease of the island), then the
     path that trained least; without a usable home, free paths before held ones."""
@@ -207,10 +209,11 @@ def plan_lease(
     reserved = (
         set() if live_s is None else set(session.scalars(home_paths(run.id, live_islands(island_id, now, live_s))))
     )
+    usable = ~stepping(Path.id) if through is None else or_(~stepping(Path.id), Path.id == through)
     candidates = []
     for path_id, index, done in session.execute(
         select(Path.id, Path.index, Path.steps_done)
-        .where(Path.run_id == run.id, Path.steps_done < budget, ~stepping(Path.id))
+        .where(Path.run_id == run.id, Path.steps_done < budget, usable)
         .order_by(Path.index)
     ):
         count, steps = held.get(path_id, (0, 0))

@@ -113,6 +113,9 @@ class Accepted:
     leased at once. False for a retry (its first attempt's reply may have carried a lease), after a round
     closed (the next round's leases follow its apply) and after a step fell due (the path is held until the
     step commits)."""
+    through_path: int | None = None
+    """A new upload of an all-async run: its path, which the island's next lease may train through the module
+    steps due on it (run field `overlap`, `leases.acquire_through`); None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +270,8 @@ class UploadDesk:
             if submitted.created and submitted.schedule != "round":
                 self._closer.async_progress(submitted.steps)
             ready = submitted.created and not answer.round_applied and submitted.steps == 0
-            return Accepted(answer, lease_ready=ready)
+            through = contribution.path_id if submitted.created and submitted.schedule == "async" else None
+            return Accepted(answer, lease_ready=ready, through_path=through)
 
 
 def submit_outer_gradients(

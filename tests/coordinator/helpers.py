@@ -108,6 +108,7 @@ def upload(
     tokens: int = 32,
     loss: float = 5.0,
     next_lease: bool = False,
+    overlap: bool = False,
 ) -> Any:
     body = encode(payload) if isinstance(payload, dict) else payload
     h = {
@@ -117,7 +118,7 @@ def upload(
         "X-Dipaco-Train-Loss": str(loss),
         "Content-Type": "application/octet-stream",
     }
-    params = {"next_lease": "true"} if next_lease else None
+    params = {"next_lease": "true", **({"overlap": "true"} if overlap else {})} if next_lease else None
     return client.post(f"/v1/leases/{lease_body['lease_id']}/outer-gradients", content=body, headers=h, params=params)
 
 

@@ -31,6 +31,7 @@ ENDPOINTS: tuple[tuple[str, str, str], ...] = (
     ("GET", r"/v1/shards/\d+/tokens", "tokens"),
     ("POST", r"/v1/leases/\d+/outer-gradients", "upload"),
     ("POST", r"/v1/leases/\d+/release", "release"),
+    ("GET", r"/v1/leases/\d+/modules", "landed"),
 )
 """(method, path pattern, endpoint name) of every island-facing endpoint."""
 

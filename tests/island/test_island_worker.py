@@ -600,3 +600,84 @@ def test_the_next_lease_is_asked_for_while_the_accepted_state_is_kept_but_not_af
     endpoints = [e.endpoint for e in transport.exchanges if e.endpoint in ("lease", "upload", "release")]
     assert endpoints[-1] == "upload"  # nothing asked after the last lease, nothing to release
     assert transport.to("release") == []
+
+
+def test_an_overlap_lease_trains_on_from_the_end_weights_and_moves_onto_the_landed_versions(
+    coordinator: Coordinator,
+) -> None:
+    """Run field `overlap`, one path, a module step per upload (dn_period 1): each upload's reply carries the next
+    lease, whose modules are the versions that step will make, without weights. The island trains on from its own
+    end weights of the path, and when the versions land (`GET /v1/leases/{id}/modules`), moves the model by
+    (landed - end weights) before its next step; its outer gradient is taken against the landed versions. Replayed
+    bit for bit: end weights, the steps before the rebase, the shift, the steps after it."""
+    run = coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
+    island, transport = coordinator.island(max_rounds=3)
+    assert island.run() == EXIT_OK
+    assert [r.status for r in island.results] == ["uploaded"] * 3
+    assert [e.status for e in transport.to("lease")] == [200]  # the other two came with the uploads
+    leases = accepted(island, transport)
+    assert all(m.weights_hash is None for lease in leases[1:] for m in lease.modules)
+    assert [r.rebased_at is not None for r in island.results] == [False, True, True]
+    assert transport.to("landed") and all(e.status == 200 for e in transport.to("landed"))
+    parts = coordinator.get("/v1/contributions", run_id=run["id"])["data"]
+    assert sorted({(m["base_version"], m["staleness"]) for c in parts for m in c["modules"]}) == [
+        (0, 0),
+        (1, 0),
+        (2, 0),
+    ]
+    ends: list[Tensors] | None = None
+    saved: dict[str, Any] | None = None
+    for lease, result in zip(leases, island.results, strict=True):
+        cfg, inner = ModelConfig.from_dict(lease.model), InnerConfig(**lease.inner)
+        modules = sorted(lease.modules, key=lambda m: m.level)
+        landed = [coordinator.weights(m.module_id, m.version) for m in modules]
+        start = landed if result.rebased_at is None else ends
+        assert start is not None
+        model = build_path(cfg, start)
+        optimizer = make_optimizer(model, inner)
+        if saved is not None:
+            optimizer.load_state_dict(copy.deepcopy(saved))
+        torch.manual_seed(lease.seed)
+        batches = batches_from_tokens(
+            coordinator.tokens(lease), batch_size=inner.batch_size, seq_len=cfg.seq_len, steps=lease.inner_steps
+        )
+        k = lease.inner_steps if result.rebased_at is None else result.rebased_at
+        train_steps(model, optimizer, batches[:k], inner, first_step=lease.first_step)
+        if result.rebased_at is not None:
+            state = model.state_dict()
+            with torch.no_grad():
+                for new, old in zip(landed, start, strict=True):
+                    for name in new:
+                        state[name].add_(new[name] - old[name])
+        train_steps(model, optimizer, batches[k:], inner, first_step=lease.first_step + k)
+        trained = model.state_dict()
+        want: Tensors = {}
+        for module, weights in zip(modules, landed, strict=True):
+            g = pseudo_gradient(weights, {n: trained[n] for n in weights})
+            want.update({f"{module.level_name}{GRAD_KEY_SEP}{n}": t for n, t in g.items()})
+        assert_same(stored_upload(coordinator, transport, lease.lease_id), want)
+        ends = [{n: trained[n].clone() for n in weights} for weights in landed]
+        saved = copy.deepcopy(optimizer.state_dict())
+
+
+def test_an_overlap_lease_without_end_weights_waits_for_its_versions(coordinator: Coordinator) -> None:
+    """An island that kept no end weights of the path (here forgotten before each lease, as after a restart) trains
+    an overlap lease from its versions once they have landed: long polling `GET /v1/leases/{id}/modules`, then
+    the same outer gradients as a replay from those versions."""
+    coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
+    island, transport = coordinator.island(max_rounds=3)
+    prepare = island._prepare
+
+    def forgetful(lease: LeasePublic) -> Any:
+        island._ends = None
+        return prepare(lease)
+
+    island._prepare = forgetful  # type: ignore[method-assign]
+    assert island.run() == EXIT_OK
+    assert [(r.status, r.rebased_at) for r in island.results] == [("uploaded", None)] * 3
+    leases = accepted(island, transport)
+    assert all(m.weights_hash is None for lease in leases[1:] for m in lease.modules)
+    assert len(transport.to("landed")) >= 2 and all(e.reply["ready"] for e in transport.to("landed")[-1:])
+    want = replay(coordinator, leases, capacity=4)
+    for lease in leases:
+        assert_same(stored_upload(coordinator, transport, lease.lease_id), want[lease.lease_id])

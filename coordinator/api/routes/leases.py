@@ -22,6 +22,7 @@ from coordinator.schemas import (
     H_TOKENS,
     H_TRAIN_LOSS,
     ContributionPublic,
+    LeaseModules,
     LeaseReleased,
     UploadCommit,
     UploadTicket,
@@ -41,13 +42,30 @@ NextLease = Query(
 )
 
 
-async def _answer(state: AppState, island_id: int, accepted: Accepted, *, next_lease: bool) -> ContributionPublic:
-    """The upload's reply, with the island's next lease when it asked for one and one is ready at once. The upload
-    is committed by now: a failure to find the lease only leaves it out (the island then asks as usual)."""
+Overlap = Query(
+    False,
+    description="With next_lease, in a run with `overlap`: while module steps are due on this upload's path, the next "
+    "lease may be on that path against the versions those steps will make (modules without weights: train on from "
+    "your own end weights, fetch them from GET /v1/leases/{id}/modules)",
+)
+
+
+async def _answer(
+    state: AppState, island_id: int, accepted: Accepted, *, next_lease: bool, overlap: bool
+) -> ContributionPublic:
+    """The upload's reply, with the island's next lease when it asked for one and one is ready at once (with
+    `overlap`, in a run with `overlap`, also one that trains through module steps due on the uploaded path). The
+    upload is committed by now: a failure to find the lease only leaves it out (the island then asks as usual)."""
     answer = accepted.answer
-    if not (next_lease and accepted.lease_ready):
+    if not next_lease:
         return answer
     try:
+        if overlap and accepted.through_path is not None:
+            answer.next_lease = await state.dispatcher.lease_through(island_id, accepted.through_path)
+            if answer.next_lease is not None:
+                return answer
+        if not accepted.lease_ready:
+            return answer
         found = await state.dispatcher.next_lease(island_id, wait_s=0)
     except ServiceError:  # e.g. 409: the island holds as many leases as it may; its own request says so
         return answer
@@ -107,6 +125,7 @@ async def upload_outer_gradients(
     x_dipaco_heldout_loss: str | None = Header(None),
     x_dipaco_content_sha256: str | None = Header(None),
     next_lease: bool = NextLease,
+    overlap: bool = Overlap,
 ) -> ContributionPublic:
     """Body: safetensors in the run's codec, the path's outer gradient named `<level>/<param>` (streamed).
 
@@ -168,7 +187,7 @@ async def upload_outer_gradients(
         finally:
             body.close()  # after the thread: a cancelled request still waits for it (anyio does not abandon it)
             body.path.unlink(missing_ok=True)  # accepted uploads were moved into the blob store already
-    return await _answer(state, principal.island_id, accepted, next_lease=next_lease)
+    return await _answer(state, principal.island_id, accepted, next_lease=next_lease, overlap=overlap)
 
 
 @router.post("/leases/{lease_id}/release", response_model=LeaseReleased, responses=errors(403, 404, 409))
@@ -194,7 +213,12 @@ async def upload_url(
 
 @router.post("/leases/{lease_id}/commit", response_model=ContributionPublic, responses=errors(400, 403, 404, 409))
 async def commit_upload(
-    lease_id: Id, commit: UploadCommit, state: StateDep, principal: PrincipalDep, next_lease: bool = NextLease
+    lease_id: Id,
+    commit: UploadCommit,
+    state: StateDep,
+    principal: PrincipalDep,
+    next_lease: bool = NextLease,
+    overlap: bool = Overlap,
 ) -> ContributionPublic:
     """Direct transfers: the body is in the bucket at the ticket's key; record it with the same checks and answers
     as `POST .../outer-gradients` (its header is read from the bucket; its values are verified by the apply
@@ -203,4 +227,27 @@ async def commit_upload(
     assert principal.island_id is not None  # island scope
     with state.metrics.counting_refused_uploads():
         accepted = await run_in_threadpool(state.uploads.commit, lease_id, principal.island_id, commit)
-    return await _answer(state, principal.island_id, accepted, next_lease=next_lease)
+    return await _answer(state, principal.island_id, accepted, next_lease=next_lease, overlap=overlap)
+
+
+MAX_MODULES_WAIT_S = 60.0
+"""Longest `?wait=` a lease's modules request may ask for (as a lease request's)."""
+
+
+@router.get("/leases/{lease_id}/modules", response_model=LeaseModules, responses=errors(403, 404, 409))
+async def lease_modules(
+    lease_id: Id,
+    state: StateDep,
+    principal: PrincipalDep,
+    wait: float = Query(
+        0,
+        ge=0,
+        le=MAX_MODULES_WAIT_S,
+        description="Seconds to hold the request while a module's version is not stepped yet; 0 answers at once",
+    ),
+) -> LeaseModules:
+    """The modules of the island's pending lease at its base versions: `ready` with every one's weights hash once
+    all are stepped (an overlap lease's versions land with the module steps it trains through)."""
+    require(principal, "island")
+    assert principal.island_id is not None  # island scope
+    return await state.dispatcher.lease_modules(lease_id, principal.island_id, wait_s=wait)
