@@ -299,12 +299,7 @@ class CoordinatorClient(Session):
         With `wait_s` the coordinator holds the request up to that long while there is no work (long polling),
         and answers the moment a round opens or a path is given back."""
         what = f"lease request of island {self.island_id}"
-        params: dict[str, Any] = {}
-        timeout: httpx.Timeout | None = None
-        if wait_s > 0:  # the read may take the whole wait
-            params["wait"] = wait_s
-            t = self._timeout
-            timeout = httpx.Timeout(connect=t.connect, read=(t.read or 60.0) + wait_s, write=t.write, pool=t.pool)
+        params, timeout = self._long_poll(wait_s)
         response = self.request("POST", self._island_path("/lease"), what=what, params=params, timeout=timeout)
         if response.status_code == 204:
             raw = response.headers.get(H_IDLE, "waiting")
@@ -315,6 +310,15 @@ class CoordinatorClient(Session):
         self.idle = None
         return self.parse(LeasePublic, self.check(response, what=what, ok=(200,)), what=what)
 
+    def _long_poll(self, wait_s: float) -> tuple[dict[str, Any], httpx.Timeout | None]:
+        """Query and read timeout of a request the coordinator may hold `wait_s` seconds (`?wait=`): the read may
+        take the whole wait."""
+        if wait_s <= 0:
+            return {}, None
+        t = self._timeout
+        read = (t.read or 60.0) + wait_s
+        return {"wait": wait_s}, httpx.Timeout(connect=t.connect, read=read, write=t.write, pool=t.pool)
+
     # -- leases ------------------------------------------------------------------------------------------
 
     def lease_modules(self, lease_id: int, *, wait_s: float = 0.0) -> LeaseModules:
@@ -322,12 +326,7 @@ class CoordinatorClient(Session):
         weights (an overlap lease's pending versions landed). With `wait_s` the coordinator holds the request
         until they have, or the time is up. Raises `LeaseLost` on 409 (the lease is no longer pending)."""
         what = f"modules of lease {lease_id}"
-        params: dict[str, Any] = {}
-        timeout: httpx.Timeout | None = None
-        if wait_s > 0:
-            params["wait"] = wait_s
-            t = self._timeout
-            timeout = httpx.Timeout(connect=t.connect, read=(t.read or 60.0) + wait_s, write=t.write, pool=t.pool)
+        params, timeout = self._long_poll(wait_s)
         response = self.request("GET", f"/v1/leases/{lease_id}/modules", what=what, params=params, timeout=timeout)
         if response.status_code == 409:
             raise LeaseLost(lease_id, detail(response))

@@ -52,7 +52,7 @@ from coordinator.services.payloads import (
     validated_payload,
 )
 from coordinator.services.periods import budget_spent, finish_if_done, flush_periods, make_due
-from coordinator.services.runs import run_layout, run_model_config, run_schedule
+from coordinator.services.runs import overlap, run_layout, run_model_config, run_schedule
 from coordinator.services.sharing import advance_cursor, reissued
 from coordinator.states import ContributionStatus, LeaseStatus, RoundStatus, RunStatus
 from modules import Layout, ModelConfig, OuterConfig
@@ -101,6 +101,8 @@ class Submitted:
     schedule: str = "round"
     """The run's schedule: with round levels (`round`, `hybrid`) its rounds close; with async ones (`async`,
     `hybrid`) its paths free up and its module steps fall due on uploads."""
+    overlap: bool = False
+    """The run's `overlap` (all-async runs): the island's next lease may train through the path's due steps."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +116,8 @@ class Accepted:
     closed (the next round's leases follow its apply) and after a step fell due (the path is held until the
     step commits)."""
     through_path: int | None = None
-    """A new upload of an all-async run: its path, which the island's next lease may train through the module
-    steps due on it (run field `overlap`, `leases.acquire_through`); None otherwise."""
+    """A new upload of a run with `overlap` (all-async): its path, which the island's next lease may train through
+    the module steps due on it (`leases.acquire_through`); None otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +272,7 @@ class UploadDesk:
             if submitted.created and submitted.schedule != "round":
                 self._closer.async_progress(submitted.steps)
             ready = submitted.created and not answer.round_applied and submitted.steps == 0
-            through = contribution.path_id if submitted.created and submitted.schedule == "async" else None
+            through = contribution.path_id if submitted.created and submitted.overlap else None
             return Accepted(answer, lease_ready=ready, through_path=through)
 
 
@@ -460,7 +462,7 @@ def _record(
         finish_if_done(session, run)
     faults.point("upload.before_commit")
     session.commit()
-    return Submitted(contribution, True, path_index, steps, run.schedule)
+    return Submitted(contribution, True, path_index, steps, run.schedule, overlap(run))
 
 
 @dataclass(frozen=True, slots=True)

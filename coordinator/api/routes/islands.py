@@ -26,7 +26,8 @@ router = APIRouter(prefix="/v1", tags=["islands"], route_class=SessionRoute, res
 
 IDLE_RETRY_AFTER_S = 2
 MAX_LEASE_WAIT_S = 60.0
-"""Longest `?wait=` a lease request may ask for (below the islands' 60 s read timeout plus a margin)."""
+"""Longest `?wait=` a lease request (or a lease's modules request) may ask for (below the islands' 60 s read timeout
+plus a margin)."""
 
 
 @router.get("/islands", response_model=ListOf[IslandPublic])

@@ -11,6 +11,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from coordinator.api.answers import V1_ERRORS, errors
 from coordinator.api.deps import AppState, Id, PrincipalDep, SessionDep, SessionRoute, StateDep
+from coordinator.api.routes.islands import MAX_LEASE_WAIT_S
 from coordinator.api.spool import spool_body
 from coordinator.auth import require
 from coordinator.errors import Invalid, ServiceError
@@ -230,10 +231,6 @@ async def commit_upload(
     return await _answer(state, principal.island_id, accepted, next_lease=next_lease, overlap=overlap)
 
 
-MAX_MODULES_WAIT_S = 60.0
-"""Longest `?wait=` a lease's modules request may ask for (as a lease request's)."""
-
-
 @router.get("/leases/{lease_id}/modules", response_model=LeaseModules, responses=errors(403, 404, 409))
 async def lease_modules(
     lease_id: Id,
@@ -242,7 +239,7 @@ async def lease_modules(
     wait: float = Query(
         0,
         ge=0,
-        le=MAX_MODULES_WAIT_S,
+        le=MAX_LEASE_WAIT_S,
         description="Seconds to hold the request while a module's version is not stepped yet; 0 answers at once",
     ),
 ) -> LeaseModules:
