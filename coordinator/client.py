@@ -56,6 +56,7 @@ from coordinator.schemas import (
     H_CONTENT_HASH,
     H_HELDOUT_LOSS,
     H_IDLE,
+    H_REBASED_AT,
     H_ROUND,
     H_TOKENS,
     H_TRAIN_LOSS,
@@ -346,6 +347,7 @@ class CoordinatorClient(Session):
         tokens: int,
         train_loss: float,
         heldout_loss: float | None = None,
+        rebased_at: int | None = None,
         next_lease: bool = False,
         overlap: bool = False,
     ) -> ContributionPublic:
@@ -354,7 +356,8 @@ class CoordinatorClient(Session):
         coordinator need not hash it while receiving; its apply executor checks it. With `next_lease` the reply
         may carry the island's next lease (`ContributionPublic.next_lease`); with `overlap` too (a run with
         `overlap`), that lease may train through module steps due on the uploaded path (its pending modules come
-        without weights: see `lease_modules`).
+        without weights: see `lease_modules`). `rebased_at`: an overlap lease that started from the island's own
+        end weights moved onto its pending versions before that inner step (`X-Dipaco-Rebased-At`).
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
@@ -366,6 +369,8 @@ class CoordinatorClient(Session):
         }
         if heldout_loss is not None:
             headers[H_HELDOUT_LOSS] = repr(float(heldout_loss))
+        if rebased_at is not None:
+            headers[H_REBASED_AT] = str(rebased_at)
         url = f"/v1/leases/{lease.lease_id}/outer-gradients"
         response = self.send(url, payload, what=what, headers=headers, params=_next_lease(next_lease, overlap))
         if response.status_code == 409:
@@ -380,6 +385,7 @@ class CoordinatorClient(Session):
         tokens: int,
         train_loss: float,
         heldout_loss: float | None = None,
+        rebased_at: int | None = None,
         next_lease: bool = False,
         overlap: bool = False,
     ) -> ContributionPublic:
@@ -387,7 +393,7 @@ class CoordinatorClient(Session):
         the ticket's parts when it is a multipart upload, collecting each part's ETag), commit them. Each request
         retries (a part that fails with a 5xx or a lost connection is PUT again); a PUT the bucket refuses with
         403 (e.g. the URL expired while the body was on its way) gets a new ticket once; a commit is idempotent
-        on the server. `next_lease` and `overlap` as in `upload`.
+        on the server. `rebased_at`, `next_lease` and `overlap` as in `upload`.
 
         Raises `LeaseLost` on 409 (round closed or lease no longer active)."""
         what = f"direct upload for lease {lease.lease_id} (round {lease.round}, path {lease.path_index})"
@@ -412,6 +418,7 @@ class CoordinatorClient(Session):
             tokens=tokens,
             train_loss=float(train_loss),
             heldout_loss=None if heldout_loss is None else float(heldout_loss),
+            rebased_at=rebased_at,
             upload_id=ticket.upload_id,
             parts=parts,
         )

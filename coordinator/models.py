@@ -240,6 +240,10 @@ class Lease(Base):
         server_default=false(),
         comment="Issued on a path another lease held (async path sharing): not its island's home path",
     )
+    pending_modules: Mapped[list[int] | None] = mapped_column(
+        JSON,
+        comment="Overlap leases: ids of the modules issued at the version a due step will make, without weights",
+    )
 
 
 class Contribution(Base):
@@ -295,6 +299,11 @@ class ContributionGrad(Base):
         default=0,
         server_default="0",
         comment="Module steps between the base version and the step it joins (0 on round levels)",
+    )
+    rebased_at: Mapped[int | None] = mapped_column(
+        Integer,
+        comment="Overlap leases: inner steps trained from the island's own end weights before it moved onto the base "
+        "version; NULL: trained from the base version",
     )
 
 

@@ -202,11 +202,16 @@ def contributions(
     ] = None,
 ) -> None:
     """Accepted uploads: path, island, loss, and per module the version its lease trained from and its staleness
-    (module steps taken since; always 0 on round levels)."""
+    (module steps taken since; always 0 on round levels). `id:vN@k`: an overlap lease trained k inner steps from
+    its island's own end weights of the path before it moved onto version N."""
     found = fetch(ctx, coordinator, token, lambda c: rows(c.contributions(run_id=run_id, round=round_)), ca_file)
     if not json_:
-        for row in found:  # per module "id:version" and "id:staleness", in level order
-            row["base_versions"] = " ".join(f"{m['module_id']}:v{m['base_version']}" for m in row["modules"])
+        for row in found:  # per module "id:version[@rebased_at]" and "id:staleness", in level order
+            row["base_versions"] = " ".join(
+                f"{m['module_id']}:v{m['base_version']}"
+                + ("" if m.get("rebased_at") is None else f"@{m['rebased_at']}")
+                for m in row["modules"]
+            )
             row["staleness"] = " ".join(f"{m['module_id']}:{m['staleness']}" for m in row["modules"])
     show("contributions", found, json_)
 

@@ -32,6 +32,9 @@ H_TRAIN_LOSS = "X-Dipaco-Train-Loss"
 """Upload: mean inner training loss of the lease (float)."""
 H_HELDOUT_LOSS = "X-Dipaco-Heldout-Loss"
 """Upload (optional): mean loss of the lease's start weights on its path's held-out slice (`LeasePublic.heldout`)."""
+H_REBASED_AT = "X-Dipaco-Rebased-At"
+"""Upload (optional, overlap leases): the inner steps trained from the island's own end weights of the path before
+the model moved onto the lease's pending module versions (0..H); sent only when it started from them."""
 H_CONTENT_HASH = "X-Dipaco-Content-Sha256"
 """Download: sha256 of the body (also sent as the ETag). Upload (optional): the sha256 of the body sent, which the
 coordinator then checks in its apply executor instead of while receiving."""
@@ -40,9 +43,9 @@ H_IDLE = "X-Dipaco-Idle"
 H_HELD = "X-Dipaco-Held-Ms"
 """How long a long-polled lease request was held with no work (milliseconds)."""
 IdleReason = Literal["waiting", "no-running-runs"]
+"""Values of `H_IDLE`."""
 Codec = Literal["fp32", "bf16", "int8"]
 """Outer-gradient codecs (`modules.codec.GRAD_CODECS`)."""
-"""Values of `H_IDLE`."""
 
 # Outer gradient upload: one safetensors file whose tensor names are f"{level_name}/{param_name}",
 # one entry for every parameter of every module on the leased path, dtype F32, same shapes as the module.
@@ -502,6 +505,12 @@ class ContributionModule(BaseModel):
     module_id: int
     base_version: int | None = Field(default=None, description="The module version the lease trained from")
     staleness: int = Field(default=0, description="Module steps between that version and the step it joined")
+    rebased_at: int | None = Field(
+        default=None,
+        description="Overlap leases: inner steps trained from the island's own end weights of the path before it "
+        "moved onto the base version (which had not landed when the lease was issued); null: trained from the base "
+        "version throughout",
+    )
     norm: float | None = Field(description="L2 norm of the outer gradient, measured at upload")
     scale: float = Field(description="Factor it was folded in with: 1 as sent, < 1 clipped, 0 refused")
     note: str | None = Field(description="Why it was clipped or refused")
@@ -559,6 +568,11 @@ class LeaseSummary(BaseModel):
     )
     shared: bool = Field(
         default=False, description="Issued on a path another lease held (async path sharing, run field path_leases)"
+    )
+    pending_modules: list[int] | None = Field(
+        default=None,
+        description="Overlap leases: the modules issued at the version a due step will make, without weights (the "
+        "island trains on from its own end weights and moves onto them when they land); null: none",
     )
 
 
@@ -673,6 +687,7 @@ class UploadCommit(BaseModel):
     tokens: int = Field(ge=0, le=DB_INT_MAX)
     train_loss: float
     heldout_loss: float | None = None
+    rebased_at: int | None = Field(default=None, ge=0, le=DB_INT_MAX, description="As `X-Dipaco-Rebased-At`")
     upload_id: str | None = Field(default=None, min_length=1, max_length=1024)
     parts: list[CommitPart] | None = Field(default=None, min_length=1, max_length=MAX_PARTS)
 

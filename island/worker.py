@@ -57,6 +57,7 @@ from modules import (
     pseudo_gradient,
     touched_rows,
 )
+from modules.asynchrony import rebase
 from modules.sparse_rows import SPARSE_LEVEL, SPARSE_PARAM
 
 log = logging.getLogger(__name__)
@@ -222,14 +223,9 @@ class _Rebase:
 
     def _apply(self, model: PathModel) -> None:
         landed = self._future.result()
-        state = model.state_dict()
-        with torch.no_grad():
-            for index, weights in landed.items():
-                start = self._inputs.base[index]
-                for name, new in weights.items():
-                    param = state[name]
-                    param.add_(new.to(param.device, param.dtype) - start[name].to(param.device, param.dtype))
-                self._inputs.base[index] = weights
+        rebase(model, [(weights, self._inputs.base[index]) for index, weights in landed.items()])
+        for index, weights in landed.items():
+            self._inputs.base[index] = weights
 
 
 class Island:
@@ -739,6 +735,7 @@ class Island:
             tokens=result.tokens,
             train_loss=mean_loss,
             heldout_loss=result.heldout_loss,
+            rebased_at=result.rebased_at,
             next_lease=self._wants_more(),  # the reply may carry it: no request, no gap before the next lease
             overlap=self._overlaps,
         )

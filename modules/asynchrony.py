@@ -36,7 +36,10 @@ takes the modules' current weights and, unless it names its range, the path's ne
 every level async a lease that does not fit takes the shard's tail with fewer steps, as the service's do); its
 upload trains H steps from them, then joins each async module's current period (a filled period steps at once)
 and each round module's round (applied when every path has contributed). The service holds back a lease on a
-module whose step is waiting for an executor, so for the same order it sees the same versions.
+module whose step is waiting for an executor, so for the same order it sees the same versions. An overlap lease
+(`Lease.through`: the service issued it at versions a due step was still to make) starts those levels from the
+island's own end weights of the path and moves onto the versions before inner step `Lease.rebase_at`, as the
+island reported (`rebase`); the versions are read at its upload.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import torch
@@ -125,6 +129,13 @@ class Lease:
     """Its first global inner step (the LR schedule); None: the path's accepted steps."""
     key: int | None = None
     """Names the lease among several that hold its path at once (path sharing); its `Upload` names it too."""
+    through: tuple[int, ...] = ()
+    """An overlap lease (run field `overlap`): the levels whose `versions` a due step was still to make when it was
+    issued. They start from the island's own end weights of the path (its last accepted upload of it) and move
+    onto their versions, by (version - end weights), before inner step `rebase_at`; their versions must exist by
+    its upload, and its outer gradient is taken against them."""
+    rebase_at: int | None = None
+    """With `through`: the inner steps trained before the move (0..steps: `steps` moves after the last one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,11 +214,14 @@ class _PathState:
 class _HeldLease:
     steps: int
     start: int
-    base: list[Tensors]
+    base: list[Tensors | None]
+    """None for the levels of `through`: their versions are read at the upload."""
     versions: list[int]
     round: int
     island: int
     first_step: int | None
+    through: tuple[int, ...] = ()
+    rebase_at: int | None = None
 
 
 def fold(
@@ -225,6 +239,59 @@ def fold(
             scale=scale * staleness_weight(part.staleness, damping),
         )
     return acc.finish(module.weights, module.momentum, outer)
+
+
+def _check_through(event: Lease, steps: int, levels: int) -> None:
+    if not event.through:
+        if event.rebase_at is not None:
+            raise ValueError(f"lease of path {event.path}: rebase_at without levels to move (through)")
+        return
+    if any(not 0 <= lv < levels for lv in event.through) or len(set(event.through)) != len(event.through):
+        raise ValueError(f"lease of path {event.path}: through {event.through} are not distinct levels of the path")
+    if event.rebase_at is None or not 0 <= event.rebase_at <= steps:
+        raise ValueError(f"lease of path {event.path}: rebase_at must be in [0, {steps}], got {event.rebase_at}")
+
+
+def _landed(lease: _HeldLease, mine: list[_Module], path: int) -> list[Tensors]:
+    """The lease's base weights per level, the versions of `through` read now (they must have landed)."""
+    out = []
+    for lv, (held, version, module) in enumerate(zip(lease.base, lease.versions, mine, strict=True)):
+        if held is not None:
+            out.append(held)
+        elif version <= module.version:
+            out.append(module.history[version])
+        else:
+            raise ValueError(
+                f"path {path} uploads an overlap lease before version {version} of its level {lv} landed "
+                f"(the module is at {module.version})"
+            )
+    return out
+
+
+def _start_weights(lease: _HeldLease, landed: list[Tensors], end: list[Tensors] | None, path: int) -> list[Tensors]:
+    """Where the lease's training starts: its base weights, or for `through` the island's end weights of the path."""
+    if not lease.through:
+        return landed
+    if end is None:
+        raise ValueError(f"island {lease.island} has no end weights of path {path} to start an overlap lease from")
+    return [end[lv] if lv in lease.through else weights for lv, weights in enumerate(landed)]
+
+
+@torch.no_grad()
+def rebase(model: PathModel, moves: Sequence[tuple[Tensors, Tensors]]) -> None:
+    """An overlap lease's move: for each (landed, start) pair of a module's weights, add landed - start to its
+    parameters in `model`, in place (on their device and dtype), so the model holds the landed version plus what
+    the steps so far trained from `start`. The island (`island.worker._Rebase`) and the reference both do this."""
+    state = model.state_dict()
+    for new, old in moves:
+        for name, tensor in new.items():
+            param = state[name]
+            param.add_(tensor.to(param.device, param.dtype) - old[name].to(param.device, param.dtype))
+
+
+def _move_at(at: int | None, model: PathModel, moves: list[tuple[Tensors, Tensors]], step: int) -> None:
+    if step == at:
+        rebase(model, moves)
 
 
 def simulate_async(
@@ -260,6 +327,8 @@ def simulate_async(
     paths = [_PathState() for _ in range(num_paths)]
     names = [level.name for level in layout.levels]
     trainers: dict[tuple[int, int], _Trainer] = {}
+    ends: dict[tuple[int, int], list[Tensors]] = {}
+    """(island, path): the trained weights per level of the island's last accepted upload of the path."""
 
     def trainer(island: int, path: int) -> _Trainer:
         if (island, path) not in trainers:
@@ -306,14 +375,19 @@ def simulate_async(
                     )
             mine = [modules[lv][m] for lv, m in enumerate(choice[event.path])]
             versions = list(event.versions) if event.versions is not None else [mod.version for mod in mine]
+            _check_through(event, steps, len(mine))
             if len(versions) != len(mine) or any(
-                not 0 <= v <= mod.version for v, mod in zip(versions, mine, strict=True)
+                not 0 <= v <= mod.version and not (lv in event.through and v >= 0)
+                for lv, (v, mod) in enumerate(zip(versions, mine, strict=True))
             ):
                 raise ValueError(f"lease of path {event.path}: versions {versions} do not exist")
-            base = [mod.history[v] for v, mod in zip(versions, mine, strict=True)]
+            base: list[Tensors | None] = [
+                None if lv in event.through else mod.history[v]
+                for lv, (v, mod) in enumerate(zip(versions, mine, strict=True))
+            ]
             state.leases[event.key] = _HeldLease(
                 steps=steps, start=start, base=base, versions=versions, round=current_round,
-                island=event.island, first_step=event.first_step,
+                island=event.island, first_step=event.first_step, through=event.through, rebase_at=event.rebase_at,
             )  # fmt: skip
             continue
         lease = state.leases.pop(event.key, None)
@@ -322,17 +396,24 @@ def simulate_async(
             raise ValueError(f"path {event.path} uploads without {named}")
         work = trainer(lease.island, event.path)
         snapshot = (copy.deepcopy(work.optimizer.state_dict()), copy.deepcopy(work.feedback.residual))
-        work.model.load_state_dict(compose_state(lease.base), strict=True)
+        mine = [modules[lv][m] for lv, m in enumerate(choice[event.path])]
+        landed = _landed(lease, mine, event.path)
+        start_weights = _start_weights(lease, landed, ends.get((lease.island, event.path)), event.path)
+        work.model.load_state_dict(compose_state(start_weights), strict=True)
         span = lease.steps * inner.batch_size * cfg.seq_len
         batches = batches_from_tokens(
             tokens[event.path][lease.start : lease.start + span + 1],
             batch_size=inner.batch_size, seq_len=cfg.seq_len, steps=lease.steps,
         )  # fmt: skip
         first_step = state.steps_done if lease.first_step is None else lease.first_step
-        losses = train_steps(work.model, work.optimizer, batches, inner, first_step=first_step)
+
+        moves = [(landed[lv], start_weights[lv]) for lv in lease.through]  # as the island's `_Rebase`
+        move = partial(_move_at, lease.rebase_at if moves else None, work.model, moves)
+        losses = train_steps(work.model, work.optimizer, batches, inner, first_step=first_step, before_step=move)
+        move(lease.steps)
         trained = split_state({n: t.detach().clone() for n, t in work.model.state_dict().items()}, layout)
         grads = received_grads(
-            [pseudo_gradient(lease.base[lv], trained[lv]) for lv in range(len(lease.base))],
+            [pseudo_gradient(landed[lv], trained[lv]) for lv in range(len(landed))],
             names, codec, work.feedback, rows=touched_rows(batches, cfg.vocab_size) if sparse_rows else None,
         )  # fmt: skip
         staleness = [
@@ -357,6 +438,7 @@ def simulate_async(
             continue
         if has_rounds and lease.round != current_round:
             raise ValueError(f"path {event.path} uploads for round {lease.round}, the run is at {current_round}")
+        ends[lease.island, event.path] = trained
         state.offset = lease.start + span
         state.steps_done += lease.steps
         state.leases_done += 1

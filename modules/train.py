@@ -6,7 +6,7 @@ The schedule is indexed by the *global* inner step (round * H + local step) so i
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -58,11 +58,15 @@ def train_steps(
     cfg: InnerConfig,
     *,
     first_step: int,
+    before_step: Callable[[int], None] | None = None,
 ) -> list[float]:
-    """Run one AdamW step per (inputs, targets) batch; returns the loss of each step."""
+    """Run one AdamW step per (inputs, targets) batch; returns the loss of each step. `before_step(i)` is called
+    before step i (the reference replays an overlap lease's move onto its landed versions there)."""
     model.train()
     losses: list[float] = []
     for i, (x, y) in enumerate(batches):
+        if before_step is not None:
+            before_step(i)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr_at(first_step + i)
         optimizer.zero_grad(set_to_none=True)

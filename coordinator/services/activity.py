@@ -60,6 +60,7 @@ def list_leases(
             inner_steps=lease.inner_steps,
             first_step=lease.first_step,
             shared=lease.shared,
+            pending_modules=lease.pending_modules,
         )
         for lease, path_index in rows
     ], count

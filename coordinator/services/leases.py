@@ -671,6 +671,7 @@ def _issue(
     modules = _modules(session, path.id, ahead=ahead)
     expires = now + timedelta(seconds=run.lease_ttl_s)
     versions = {str(m.module_id): m.version for m in modules}
+    pending = [m.module_id for m in modules if m.weights_hash is None]
     lease = _new_lease(
         run,
         path,
@@ -682,6 +683,7 @@ def _issue(
         now=now,
         span=span,
     )
+    lease.pending_modules = pending or None
     session.add(lease)
     session.flush()
     return _public(run, path, lease, shard, modules)

@@ -319,7 +319,7 @@ def list_contributions(
     count = session.scalar(select(func.count()).select_from(q.order_by(None).subquery())) or 0
     rows = session.execute(q.offset(offset).limit(limit)).all()
     parts: dict[int, list[ContributionModule]] = {c.id: [] for c, _, _ in rows}
-    for contribution_id, module_id, norm, scale, note, base, staleness in session.execute(
+    for contribution_id, module_id, norm, scale, note, base, staleness, rebased_at in session.execute(
         select(
             ContributionGrad.contribution_id,
             ContributionGrad.module_id,
@@ -328,6 +328,7 @@ def list_contributions(
             ContributionGrad.note,
             ContributionGrad.base_version,
             ContributionGrad.staleness,
+            ContributionGrad.rebased_at,
         )
         .join(Module, Module.id == ContributionGrad.module_id)
         .where(ContributionGrad.contribution_id.in_(list(parts)))
@@ -335,7 +336,13 @@ def list_contributions(
     ):
         parts[contribution_id].append(
             ContributionModule(
-                module_id=module_id, base_version=base, staleness=staleness, norm=norm, scale=scale, note=note
+                module_id=module_id,
+                base_version=base,
+                staleness=staleness,
+                rebased_at=rebased_at,
+                norm=norm,
+                scale=scale,
+                note=note,
             )
         )
     out = [

@@ -38,6 +38,7 @@ from coordinator.models import (
 )
 from coordinator.schemas import (
     H_CONTENT_HASH,
+    H_REBASED_AT,
     ContributionPublic,
     UploadCommit,
     UploadTicket,
@@ -84,6 +85,9 @@ class Upload:
     """The sha256 the island named (`X-Dipaco-Content-Sha256`); when the body was hashed too, they must agree."""
     heldout_loss: float | None = None
     """`X-Dipaco-Heldout-Loss`, when sent: the lease's start weights scored on the path's held-out slice."""
+    rebased_at: int | None = None
+    """`X-Dipaco-Rebased-At`, when sent (overlap leases): the inner steps trained from the island's own end weights
+    of the path before it moved onto the lease's pending module versions."""
     stream: PayloadStream | None = None
     """The body's values, checked while it was spooled (`UploadDesk.payload_stream`); None: the file is read back."""
     multipart: Multipart | None = None
@@ -220,6 +224,7 @@ class UploadDesk:
             tokens=commit.tokens,
             train_loss=commit.train_loss,
             heldout_loss=commit.heldout_loss,
+            rebased_at=commit.rebased_at,
             body=None,
             body_sha256=commit.sha256,
             size=commit.size,
@@ -343,6 +348,7 @@ def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checke
     if upload.heldout_loss is not None and not (math.isfinite(upload.heldout_loss) and upload.heldout_loss >= 0):
         raise Invalid(f"held-out loss must be finite and >= 0, got {upload.heldout_loss}")
     _check_lease(session, found, upload.round, now=now)
+    _check_rebase(lease, run, upload.rebased_at)
     levels, async_modules = _path_levels(session, lease, max_staleness=run_schedule(run).max_staleness)
     return _Checked(
         run_id=lease.run_id,
@@ -354,6 +360,20 @@ def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checke
         codec=run.config.get("codec", "fp32"),
         sparse_rows=run.config.get("sparse_rows", False),
     )
+
+
+def _check_rebase(lease: Lease, run: Run, rebased_at: int | None) -> None:
+    """`X-Dipaco-Rebased-At` names an inner step of an overlap lease: one issued with pending module versions."""
+    if rebased_at is None:
+        return
+    if not lease.pending_modules:
+        raise Invalid(
+            f"lease {lease.id} was issued with every module's weights: {H_REBASED_AT} is for overlap leases whose "
+            "module versions had not landed"
+        )
+    steps = lease.inner_steps or run.inner_steps
+    if not 0 <= rebased_at <= steps:
+        raise Invalid(f"{H_REBASED_AT} must be an inner step of lease {lease.id}, in [0, {steps}], got {rebased_at}")
 
 
 def _check_norms(payload: Payload, checked: _Checked) -> None:
@@ -433,6 +453,7 @@ def _record(
             step=slots[level_index].step,
             base_version=slots[level_index].base_version,
             staleness=slots[level_index].staleness,
+            rebased_at=upload.rebased_at if checked.levels[level_index][0] in (lease.pending_modules or ()) else None,
         )
         for level_index, prefix in payload.prefixes.items()
     )

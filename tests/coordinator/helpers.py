@@ -109,6 +109,7 @@ def upload(
     loss: float = 5.0,
     next_lease: bool = False,
     overlap: bool = False,
+    rebased_at: int | str | None = None,
 ) -> Any:
     body = encode(payload) if isinstance(payload, dict) else payload
     h = {
@@ -117,6 +118,7 @@ def upload(
         "X-Dipaco-Tokens": str(tokens),
         "X-Dipaco-Train-Loss": str(loss),
         "Content-Type": "application/octet-stream",
+        **({} if rebased_at is None else {"X-Dipaco-Rebased-At": str(rebased_at)}),
     }
     params = {"next_lease": "true", **({"overlap": "true"} if overlap else {})} if next_lease else None
     return client.post(f"/v1/leases/{lease_body['lease_id']}/outer-gradients", content=body, headers=h, params=params)

@@ -62,6 +62,13 @@ def test_a_commit_without_a_put_a_foreign_key_and_a_replay(direct: TestClient) -
     foreign = {**commit, "key": ticket.key.replace(f"/{lease.lease_id}-", "/999-")}
     r = island.request("POST", f"/v1/leases/{lease.lease_id}/commit", what="commit", json=foreign)
     assert r.status_code == 403 and "is not the upload ticket of lease" in r.json()["detail"]
+    # a rebase step is for overlap leases only (this one came with every module's weights), and never negative
+    with pytest.raises(RequestRejected, match="X-Dipaco-Rebased-At is for overlap leases") as refused:
+        island.upload_direct(lease, payload, tokens=1, train_loss=1.0, rebased_at=0)
+    assert refused.value.status == 422
+    r = island.request("POST", f"/v1/leases/{lease.lease_id}/commit", what="commit", json={**commit, "rebased_at": -1})
+    assert r.status_code == 422 and "rebased_at" in r.text
+    assert direct.get("/v1/contributions", headers=A).json()["data"] == []
     # the real thing, then the same commit again: the same contribution (idempotent)
     first = island.upload_direct(lease, payload, tokens=1, train_loss=1.0)
     again = island.request("POST", f"/v1/leases/{lease.lease_id}/commit", what="commit", json=commit)

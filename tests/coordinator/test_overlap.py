@@ -7,9 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
-from tests.conftest import FakeClock
+from dipaco.cli import app
+from tests.conftest import ADMIN, FakeClock
 from tests.coordinator.helpers import A, app_executor, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.test_registry_cli import _table
+
+runner = CliRunner()
 
 OVERLAP = {"sync": "async", "inner_steps": 2, "num_rounds": 3, "dn_period": 1}
 """All-async: `overlap` on by default."""
@@ -52,13 +57,48 @@ def test_an_upload_that_makes_steps_due_brings_a_lease_through_them(no_executors
         (1, current[m["module_id"]]["weights_hash"]) for m in landed["modules"]
     ]
     assert all(current[m["module_id"]]["version"] == 1 for m in landed["modules"])
-    # its upload counts from the versions it trained through: not stale
-    assert _send(client, {**nxt, "modules": landed["modules"]}, h0).status_code == 200
+    listed = client.get(f"/v1/leases?run_id={run['id']}", headers=A).json()["data"]
+    assert {x["id"]: x["pending_modules"] for x in listed} == {
+        first["lease_id"]: None,
+        nxt["lease_id"]: [m["module_id"] for m in nxt["modules"]],
+    }
+    # its upload counts from the versions it trained through: not stale; it says it moved onto them before step 1
+    assert _send(client, {**nxt, "modules": landed["modules"]}, h0, rebased_at=1).status_code == 200
     parts = client.get(f"/v1/contributions?run_id={run['id']}", headers=A).json()["data"]
     second = next(c for c in parts if c["lease_id"] == nxt["lease_id"])
-    assert [(m["base_version"], m["staleness"]) for m in second["modules"]] == [(1, 0)] * 4
+    assert [(m["base_version"], m["staleness"], m["rebased_at"]) for m in second["modules"]] == [(1, 0, 1)] * 4
+    assert all(m["rebased_at"] is None for c in parts if c is not second for m in c["modules"])
+    shown = runner.invoke(app, ["registry", "contributions", "--run-id", str(run["id"]), "--token", ADMIN], obj=client)
+    assert shown.exit_code == 0, shown.output
+    assert {row["base_versions"] for row in _table(shown.output)} == {
+        " ".join(f"{m['module_id']}:v{v}" for m in nxt["modules"]) for v in ("0", "1@1")
+    }
     # a submitted lease's modules are no longer served
     assert client.get(f"/v1/leases/{nxt['lease_id']}/modules", headers=h0).status_code == 409
+
+
+def test_a_rebase_step_is_checked_against_the_lease(no_executors: TestClient, clock: FakeClock) -> None:
+    """`X-Dipaco-Rebased-At` names an inner step (0..H) of a lease issued with pending module versions: on any
+    other lease, out of range or not an integer it is refused with 422 and nothing changes; without it an overlap
+    lease's upload records that it trained from its versions throughout (an island that kept no end weights)."""
+    client = no_executors
+    run = create_running_run(client, name="rebase-checked", **OVERLAP)
+    island, h = join(client, "one")
+    first = lease(client, island, h)
+    assert first is not None
+    refused = _send(client, first, h, rebased_at=0)
+    assert refused.status_code == 422 and "X-Dipaco-Rebased-At is for overlap leases" in refused.text, refused.text
+    nxt = _send(client, first, h, next_lease=True, overlap=True).json()["next_lease"]
+    assert nxt is not None and all(m["weights_hash"] is None for m in nxt["modules"])
+    app_executor(client, clock).work()
+    for bad, why in ((3, r"in [0, 2], got 3"), (-1, "must be in [0,"), ("one", "must be an integer")):
+        answer = _send(client, nxt, h, rebased_at=bad)
+        assert answer.status_code == 422 and why in answer.text, answer.text
+    parts = client.get(f"/v1/contributions?run_id={run['id']}", headers=A).json()["data"]
+    assert [c["lease_id"] for c in parts] == [first["lease_id"]]
+    assert _send(client, nxt, h).status_code == 200
+    parts = client.get(f"/v1/contributions?run_id={run['id']}", headers=A).json()["data"]
+    assert [m["rebased_at"] for c in parts for m in c["modules"]] == [None] * 8
 
 
 def test_without_overlap_the_path_is_held_until_its_steps_commit(no_executors: TestClient, clock: FakeClock) -> None:

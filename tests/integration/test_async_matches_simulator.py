@@ -1,9 +1,11 @@
 """An all-async run, and a hybrid one, through the service equal the reference replaying the same arrival order
 (`modules.asynchrony.simulate_async`): two island processes train a 2x2 whose levels are all async, each path
 leasing again as soon as its upload is accepted, with int8 uploads and error feedback, with dense and with sparse
-embedding rows, with one and two leases per path; and a 2x2 whose shared embedding and head are async while the
-routed blocks step per round. The order in which the coordinator
-accepted the uploads, and the module versions each lease trained from, are read back from the registry (REST);
+embedding rows, with one and two leases per path, with overlap leases (the default) and without; and a 2x2 whose
+shared embedding and head are async while the routed blocks step per round. The order in which the coordinator
+accepted the uploads, the module versions each lease trained from, and for an overlap lease the levels that
+started from the island's end weights and the step they moved onto those versions at, are read back from the
+registry (REST);
 the reference replays them and must give every upload's train loss, every part's staleness and every module's
 final weights and version. Which uploads arrive stale depends on the timing of the two processes; the replay does
 not, so the test holds for any timing. Island-1 stalls 5 s in each of its leases (island fault injection) while
@@ -40,9 +42,6 @@ SPEC: dict[str, Any] = {
     "inner_steps": 4,
     "num_rounds": 3,
     "lease_ttl_s": 60,
-    # overlap leases start from the island's own end weights and move onto their versions at a step only the
-    # island knows: the replay cannot follow them (tests/island/test_island_worker.py replays them instead)
-    "overlap": False,
 }
 
 
@@ -51,29 +50,42 @@ POSTGRES = pytest.param("postgres", marks=pytest.mark.postgres)
 
 
 @pytest.mark.parametrize(
-    ("database_url", "sparse_rows", "damping", "path_leases"),
+    ("database_url", "sparse_rows", "damping", "path_leases", "overlap"),
     [
-        (SQLITE, False, "inverse", 1),
-        (SQLITE, True, "inverse_square", 1),
-        (SQLITE, False, "inverse", 2),
-        (POSTGRES, False, "inverse", 2),
+        (SQLITE, False, "inverse", 1, True),
+        (SQLITE, True, "inverse_square", 1, False),
+        (SQLITE, False, "inverse", 2, True),
+        (POSTGRES, False, "inverse", 2, True),
     ],
-    ids=["dense", "sparse-rows", "shared-paths", "shared-paths-postgres"],
+    ids=["dense", "sparse-rows-no-overlap", "shared-paths", "shared-paths-postgres"],
     indirect=["database_url"],
 )
 def test_async_service_equals_the_replayed_reference(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, sparse_rows: bool, damping: Damping, path_leases: int
+    cluster: Cluster,
+    monkeypatch: pytest.MonkeyPatch,
+    sparse_rows: bool,
+    damping: Damping,
+    path_leases: int,
+    overlap: bool,
 ) -> None:
     """With `sparse_rows`, each path's embedding travels as the rows of its own alphabet and the async apply
     averages each row over the contributions of its period that touched it (the reference does the same); that
     case also damps stale contributions by 1/(1+s)^2 instead of 1/(1+s). With `path_leases` 2, island-0 helps
     the path island-1's stalled leases hold back (path sharing): two leases train one path at once, on
-    consecutive ranges, and may be accepted out of order."""
+    consecutive ranges, and may be accepted out of order. With `overlap` (the default of all-async runs) an
+    upload's reply may lease its path through the module steps it made due: that lease starts from the island's
+    own end weights and moves onto the landed versions at a step the island reports (`rebased_at`), which the
+    replay follows."""
     spec = {**SPEC, "sparse_rows": sparse_rows, "staleness_damping": damping, "path_leases": path_leases}
+    if not overlap:
+        spec["overlap"] = False
     got = _run(cluster, monkeypatch, spec)
     assert got.run["config"]["sparse_rows"] is sparse_rows
     assert got.run["schedule"] == "async" and len(got.contributions) == 4 * 3  # 3 leases of H=4 per path, no rounds
     assert any(x["shared"] for x in got.leases.values()) is (path_leases > 1)
+    rebased = [m["rebased_at"] for c in got.contributions for m in c["modules"] if m["rebased_at"] is not None]
+    assert bool(rebased) is overlap, rebased
+    assert all(0 <= r <= SPEC["inner_steps"] for r in rebased)
     _equals_reference(got, spec, AsyncSettings(sync="async", max_staleness=16, dn_period=2, damping=damping))
 
 
@@ -166,10 +178,16 @@ def _equals_reference(got: _Finished, spec: dict[str, Any], settings: AsyncSetti
         versions = {module_level[m["module_id"]]: m["base_version"] for m in c["modules"]}
         steps = lease["inner_steps"] or spec["inner_steps"]
         base = tuple(versions[lv] for lv in range(4))
+        # an overlap lease: the levels that started from the island's end weights, and the step they moved at
+        moved = {module_level[m["module_id"]]: m["rebased_at"] for m in c["modules"] if m["rebased_at"] is not None}
+        assert len(set(moved.values())) <= 1, c  # one move for all of a lease's pending modules
+        pending = {module_level[i] for i in lease["pending_modules"] or ()}
+        assert set(moved) <= pending, (c, lease)
         events += [
             Lease(
                 c["path_index"], steps, island=lease["island_id"], versions=base, start=lease["token_start"],
-                first_step=lease["first_step"], key=lease["id"],
+                first_step=lease["first_step"], key=lease["id"], through=tuple(sorted(moved)),
+                rebase_at=next(iter(moved.values()), None),
             ),
             Upload(c["path_index"], key=lease["id"]),
         ]  # fmt: skip

@@ -192,3 +192,45 @@ def test_the_reference_takes_the_shard_tail_as_the_service_does(
     )  # fmt: skip
     assert [(u.start, u.steps) for u in got.uploads] == ranges
     assert [u.tokens for u in got.uploads] == [h * 2 * CFG.seq_len for _, h in ranges]
+
+
+def test_an_overlap_lease_starts_from_the_end_weights_and_moves_onto_its_versions_at_its_step() -> None:
+    """An overlap lease (`Lease.through`) trains from the island's own end weights of the path and moves onto its
+    versions before inner step `rebase_at`: moved before step 0 it trains what a lease from those versions does
+    (end + (version - end) = version up to rounding); moved after the last step its first steps saw the end
+    weights instead, so its losses differ. The versions must have landed by its upload, and the island must have
+    end weights of the path."""
+    layout = parse_layout("embed:shared, b0-1:shared, head:shared", n_layers=2)
+    tokens = [shard(0)]
+    settings = AsyncSettings(sync="async", dn_period=1)  # one module step per upload
+
+    def run(through: tuple[int, ...], rebase_at: int | None) -> list[float]:
+        events: list[Lease | Upload] = [Lease(0, H), Upload(0)]
+        for v in (1, 2):
+            events += [Lease(0, H, versions=(v, v, v), through=through, rebase_at=rebase_at), Upload(0)]
+        got = simulate_async(
+            CFG, layout, INNER, OUTER, settings, events=events, budget_steps=3 * H, seed=0, tokens=tokens
+        )
+        assert [u.base_versions for u in got.uploads] == [[0, 0, 0], [1, 1, 1], [2, 2, 2]]
+        plain.append(got.modules[1][0]["blocks.0.attn.qkv.weight"])
+        return [u.loss for u in got.uploads]
+
+    plain: list[torch.Tensor] = []
+    base = run((), None)
+    moved_first = run((0, 1, 2), 0)
+    moved_last = run((0, 1, 2), H)
+    assert moved_first == pytest.approx(base, abs=1e-5)
+    torch.testing.assert_close(plain[1], plain[0], rtol=0, atol=1e-5)
+    assert moved_last[0] == base[0] and abs(moved_last[1] - base[1]) > 1e-4
+    assert not torch.allclose(plain[2], plain[0], atol=1e-5)
+
+    def fails(events: list[Lease | Upload], match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            simulate_async(CFG, layout, INNER, OUTER, settings, events=events, budget_steps=H, seed=0, tokens=tokens)
+
+    fails([Lease(0, H), Upload(0), Lease(0, H, versions=(2, 1, 1), through=(0,), rebase_at=1), Upload(0)],
+          "before version 2 of its level 0 landed")  # fmt: skip
+    fails([Lease(0, H, versions=(0, 0, 0), through=(1,), rebase_at=1), Upload(0)], "no end weights of path 0")
+    fails([Lease(0, H, through=(1,), rebase_at=H + 1)], rf"rebase_at must be in \[0, {H}\]")
+    fails([Lease(0, H, rebase_at=1)], "rebase_at without levels")
+    fails([Lease(0, H, through=(1, 1), rebase_at=1)], "not distinct levels")

@@ -19,6 +19,7 @@ from coordinator.schemas import (
     DB_INT_MAX,
     H_CONTENT_HASH,
     H_HELDOUT_LOSS,
+    H_REBASED_AT,
     H_ROUND,
     H_TOKENS,
     H_TRAIN_LOSS,
@@ -124,6 +125,7 @@ async def upload_outer_gradients(
     x_dipaco_tokens: str | None = Header(None),
     x_dipaco_train_loss: str | None = Header(None),
     x_dipaco_heldout_loss: str | None = Header(None),
+    x_dipaco_rebased_at: str | None = Header(None),
     x_dipaco_content_sha256: str | None = Header(None),
     next_lease: bool = NextLease,
     overlap: bool = Overlap,
@@ -142,6 +144,7 @@ async def upload_outer_gradients(
         assert tokens is not None  # required
         loss = _parse_float(H_TRAIN_LOSS, x_dipaco_train_loss)
         heldout = None if x_dipaco_heldout_loss is None else _parse_float(H_HELDOUT_LOSS, x_dipaco_heldout_loss)
+        rebased_at = _parse_int(H_REBASED_AT, x_dipaco_rebased_at, required=False)
         claimed = _parse_sha256(H_CONTENT_HASH, x_dipaco_content_sha256)
         declared = request.headers.get("content-length", "")
         # a large body's values are checked as it arrives, so that its file is not read back, and the hash it
@@ -172,6 +175,7 @@ async def upload_outer_gradients(
                 tokens=tokens,
                 train_loss=loss,
                 heldout_loss=heldout,
+                rebased_at=rebased_at,
                 body=body.path,
                 body_sha256=digest,
                 size=body.size,
