@@ -6,8 +6,9 @@ islands of which one is ~3x slower, slowed from outside its process by a duty-cy
 * async: `sync=async`, staleness-damped Delayed Nesterov, dynamic local updates (H scaled by island speed
   within `min_inner_steps..max_inner_steps`), `overlap` off: an island whose upload made its path's module
   steps due waits for them;
-* overlap: async with `overlap` on (the run default): that island trains on through the steps from its own end
-  weights and moves onto the new versions when they land;
+* overlap: async with `overlap` on (the run default): that island's upload reply brings its next lease at once;
+  it waits before its first step for the new versions (up to the island's `overlap_wait`, 0.1 of the lease) and
+  trains on through the steps from its own end weights only if they have not landed by then;
 * hybrid: embedding and head `:async` in the layout, the routed blocks by round.
 
 Each mode gets a fresh coordinator (`LocalService`: SQLite + blob dir) and 4 `dipaco island join` processes, on
@@ -30,8 +31,8 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
    over round's final (target within 3 %).
 2. Island idle share from the first lease to the end of the budget: time an island held no lease (nothing in
    the island or /metrics reports it), from the lease records over REST: a lease is busy from `issued_at` to its
-   accepted upload, its refusal event or its expiry; less the time an overlap lease waited after its last step for
-   the versions it trained through (from the islands' log lines). Target <= 2 % async.
+   accepted upload, its refusal event or its expiry; less the time an overlap lease waited for its versions,
+   before its first step or after its last (from the islands' log lines). Target <= 2 % async.
 3. After the budget, a fast island is SIGSTOPped as soon as it holds a lease, for `stall_leases` of its lease
    lengths in the round run (the same seconds for every mode): contributions the other islands got accepted
    during the stall.
@@ -249,8 +250,8 @@ class Trial:
         return [done[x.id] - x.issued_at.timestamp() for x in self.leases if x.island_id == island_id and x.id in done]
 
     def landed_wait(self, island_id: int) -> float:
-        """Seconds the island waited, within leases accepted in the budget, for the module versions its overlap
-        leases trained through (after their last inner step), from its log lines (`island.worker.OVERLAP_WAIT`)."""
+        """Seconds the island waited, within leases accepted in the budget, for the module versions of its overlap
+        leases (before their first inner step, after their last), from its log lines (`island.worker.OVERLAP_WAIT`)."""
         index = self.island_ids.index(island_id)
         if index >= len(self.island_logs) or not self.island_logs[index].exists():
             return 0.0

@@ -85,6 +85,15 @@ def join(
             help="Paths whose inner AdamW state is kept across rounds (single-process islands).",
         ),
     ] = 4,
+    overlap_wait: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            envvar="DIPACO_ISLAND_OVERLAP_WAIT",
+            help="Overlap leases: wait before the first step for the versions, up to this share of the lease's "
+            "expected training time, before training on through them from the end weights (0: at once).",
+        ),
+    ] = 0.1,
     nproc: Annotated[
         int,
         typer.Option(
@@ -134,6 +143,7 @@ def join(
             max_backoff_s=max_backoff,
             seed_offset=seed_offset,
             optimizer_cache=optimizer_cache,
+            overlap_wait=overlap_wait,
             probe=probe,
             quiet=quiet,
             ca_file=ca_file,

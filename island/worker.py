@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import math
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -106,6 +108,11 @@ class IslandConfig:
     """Added to each lease's seed before seeding torch, so islands can differ when they need to."""
     ca_file: Path | None = None
     """PEM file of the certificate authority to trust for an https coordinator (default: the system's)."""
+    overlap_wait: float = 0.1
+    """An overlap lease waits before its first inner step for the module versions it was issued ahead of, up to this
+    share of its expected training time (the island's last lease's time per step x H), and trains on through them
+    from its own end weights only if they have not landed by then (0: train through at once). Steps taken at the
+    end weights cost held-out perplexity per token (docs/LOG.md, 2026-12-06 session 4), waiting costs idle time."""
     optimizer_cache: int = 4
     """Paths whose inner AdamW state a single-process island keeps (DiLoCo keeps inner state across rounds; an
     island that trains several paths per round resumes each). Multi-process islands keep the last one only."""
@@ -127,6 +134,8 @@ class IslandConfig:
             raise ValueError(f"max_rounds must be >= 1 or None, got {self.max_rounds}")
         if self.give_up_after_s < 0:
             raise ValueError(f"give_up_after_s must be >= 0, got {self.give_up_after_s}")
+        if not (math.isfinite(self.overlap_wait) and self.overlap_wait >= 0):
+            raise ValueError(f"overlap_wait must be a finite share >= 0 of a lease's time, got {self.overlap_wait}")
         if self.optimizer_cache < 1:
             raise ValueError(f"optimizer_cache must be >= 1, got {self.optimizer_cache}")
         if not self.max_backoff_s > 0:
@@ -157,7 +166,8 @@ class LeaseResult:
     heldout_loss: float | None = None
     """The start weights' mean loss on the path's held-out slice (`LeasePublic.heldout`), when the run keeps one."""
     landed_wait_s: float | None = None
-    """Overlap leases: seconds the island waited after its inner steps for the versions it trained through."""
+    """Overlap leases: seconds the island waited for the versions it was issued ahead of (before its first inner
+    step, up to `IslandConfig.overlap_wait` of the lease, and after its last, if it trained through them)."""
     rebased_at: int | None = None
     """Overlap leases: inner steps taken before the model moved onto the landed versions (H: after the last)."""
 
@@ -203,14 +213,27 @@ class _Rebase:
     the landed version plus what the steps so far trained, as if it had started there, and the outer gradient is
     taken against the landed version (`inputs.base`)."""
 
-    def __init__(self, future: Future[dict[int, dict[str, torch.Tensor]]], inputs: _Inputs) -> None:
+    def __init__(
+        self, future: Future[dict[int, dict[str, torch.Tensor]]], inputs: _Inputs, *, wait_s: float = 0.0
+    ) -> None:
         self._future = future
         self._inputs = inputs
+        self._wait_s = wait_s
         self.at: int | None = None
         """Inner steps taken before the rebase; None until it happened."""
+        self.waited_first_s = 0.0
+        """Seconds waited for the versions before the first inner step."""
+        self.waited_s = 0.0
+        """Seconds waited for the versions in all (before the first step and after the last)."""
 
     def maybe(self, model: PathModel, step: int) -> None:
-        """Before inner step `step`: rebase if the versions landed (a failed fetch is raised by `finish`)."""
+        """Before inner step `step`: rebase if the versions landed (a failed fetch is raised by `finish`); before the
+        first, wait up to `wait_s` for them."""
+        if self.at is None and step == 0 and self._wait_s > 0:
+            t0 = time.perf_counter()
+            wait_futures([self._future], timeout=self._wait_s)
+            self.waited_first_s = time.perf_counter() - t0
+            self.waited_s += self.waited_first_s
         if self.at is None and self._future.done() and self._future.exception() is None:
             self._apply(model)
             self.at = step
@@ -218,7 +241,9 @@ class _Rebase:
     def finish(self, model: PathModel, steps: int) -> None:
         """After the `steps` inner steps: wait for the versions if they have not landed yet, and rebase."""
         if self.at is None:
+            t0 = time.perf_counter()
             self._apply(model)
+            self.waited_s += time.perf_counter() - t0
             self.at = steps
 
     def _apply(self, model: PathModel) -> None:
@@ -481,7 +506,9 @@ class Island:
         model, optimizer = self._resume(lease, inputs)
         rebase = None
         if inputs.pending:
-            rebase = _Rebase(self._fetcher.submit(self._landed_weights, lease, inputs), inputs)
+            rebase = _Rebase(
+                self._fetcher.submit(self._landed_weights, lease, inputs), inputs, wait_s=self._overlap_wait_s(lease)
+            )
         result = _result(
             lease,
             "uploaded",
@@ -500,9 +527,9 @@ class Island:
             self._give_back(lease, inputs.where, result)
             return result
         if rebase is not None:  # the outer gradient is taken against the landed versions; they are scored
-            t_wait = time.perf_counter()
             rebase.finish(model, len(result.losses))
-            result.landed_wait_s, result.rebased_at = time.perf_counter() - t_wait, rebase.at
+            result.landed_wait_s, result.rebased_at = rebase.waited_s, rebase.at
+            elapsed -= rebase.waited_first_s  # waiting is not training: tokens/s (and so the next H) leave it out
             scored = build_path(inputs.model_cfg, inputs.base).to(self.device)
             result.heldout_loss = self._score_start(scored, inputs)
         result.train_s = elapsed
@@ -531,6 +558,14 @@ class Island:
             _overlap_note(result),
         )
         return result
+
+    def _overlap_wait_s(self, lease: LeasePublic) -> float:
+        """How long an overlap lease waits before its first step for its versions: `overlap_wait` of its expected
+        training time, from the island's last trained lease (the one whose upload brought this lease)."""
+        last = next((r for r in reversed(self.results) if r.losses and r.train_s > 0), None)
+        if last is None:
+            return 0.0
+        return self.config.overlap_wait * last.train_s / len(last.losses) * lease.inner_steps
 
     @property
     def _overlaps(self) -> bool:
@@ -814,13 +849,13 @@ def _outer_gradients(
 
 def _overlap_note(result: LeaseResult) -> str:
     """For the log line of an overlap lease: when it moved onto the landed versions, and how long it waited for
-    them after its last step (`OVERLAP_WAIT`; bench/bench_async.py counts that wait as idle)."""
+    them, before its first step and after its last (`OVERLAP_WAIT`; bench/bench_async.py counts that as idle)."""
     if result.rebased_at is None:
         return ""
     return f", rebased before step {result.rebased_at} ({OVERLAP_WAIT} {result.landed_wait_s or 0.0:.3f} s)"
 
 
-OVERLAP_WAIT = "waited after training"
+OVERLAP_WAIT = "waited for them"
 """The words before the seconds an overlap lease waited for its versions, in its log line."""
 
 

@@ -50,12 +50,12 @@ POSTGRES = pytest.param("postgres", marks=pytest.mark.postgres)
 
 
 @pytest.mark.parametrize(
-    ("database_url", "sparse_rows", "damping", "path_leases", "overlap"),
+    ("database_url", "sparse_rows", "damping", "path_leases", "overlap_wait"),
     [
-        (SQLITE, False, "inverse", 1, True),
-        (SQLITE, True, "inverse_square", 1, False),
-        (SQLITE, False, "inverse", 2, True),
-        (POSTGRES, False, "inverse", 2, True),
+        (SQLITE, False, "inverse", 1, "0"),
+        (SQLITE, True, "inverse_square", 1, None),
+        (SQLITE, False, "inverse", 2, "0.1"),
+        (POSTGRES, False, "inverse", 2, "0.1"),
     ],
     ids=["dense", "sparse-rows-no-overlap", "shared-paths", "shared-paths-postgres"],
     indirect=["database_url"],
@@ -66,7 +66,7 @@ def test_async_service_equals_the_replayed_reference(
     sparse_rows: bool,
     damping: Damping,
     path_leases: int,
-    overlap: bool,
+    overlap_wait: str | None,
 ) -> None:
     """With `sparse_rows`, each path's embedding travels as the rows of its own alphabet and the async apply
     averages each row over the contributions of its period that touched it (the reference does the same); that
@@ -75,11 +75,14 @@ def test_async_service_equals_the_replayed_reference(
     consecutive ranges, and may be accepted out of order. With `overlap` (the default of all-async runs) an
     upload's reply may lease its path through the module steps it made due: that lease starts from the island's
     own end weights and moves onto the landed versions at a step the island reports (`rebased_at`), which the
-    replay follows."""
+    replay follows: at once in the dense case (`--overlap-wait 0`, so it trains through the steps), after waiting
+    up to 0.1 of the lease for them before its first step (the default) in the shared-paths cases. None: overlap
+    off."""
+    overlap = overlap_wait is not None
     spec = {**SPEC, "sparse_rows": sparse_rows, "staleness_damping": damping, "path_leases": path_leases}
     if not overlap:
         spec["overlap"] = False
-    got = _run(cluster, monkeypatch, spec)
+    got = _run(cluster, monkeypatch, spec, island_args=("--overlap-wait", overlap_wait) if overlap_wait else ())
     assert got.run["config"]["sparse_rows"] is sparse_rows
     assert got.run["schedule"] == "async" and len(got.contributions) == 4 * 3  # 3 leases of H=4 per path, no rounds
     assert any(x["shared"] for x in got.leases.values()) is (path_leases > 1)
@@ -121,7 +124,9 @@ class _Finished:
     weights: dict[tuple[int, int], dict[str, torch.Tensor]]
 
 
-def _run(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]) -> _Finished:
+def _run(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any], *, island_args: tuple[str, ...] = ()
+) -> _Finished:
     """Two islands (island-1 stalling 5 s in each lease) train the run `spec` to its end; what the registry
     says of it. Island-1 starts first and holds a lease before island-0 starts: had both started together,
     island-0 could train the whole run while island-1 slept between two polls for a run (the likely cause of a CI
@@ -130,11 +135,11 @@ def _run(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, spec: dict[str, Any]
     with cluster.admin() as client:
         with monkeypatch.context() as env:
             env.setenv(STALL_ENV, "*:2:5.0")  # island-0 fills a period during each of these leases
-            islands = [cluster.start_island("island-1")]
+            islands = [cluster.start_island("island-1", *island_args)]
         wait_islands_joined(client, 1)
         run_id = create_run(client, spec, num_tokens=600)
         _wait_active_lease(client, run_id)
-        islands.append(cluster.start_island("island-0"))
+        islands.append(cluster.start_island("island-0", *island_args))
         run = wait_finished(cluster, client, run_id)
         paths = client.get("/v1/paths", params={"run_id": run_id}).json()["data"]
         tokens = [

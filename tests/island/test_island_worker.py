@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections import OrderedDict, defaultdict
 from typing import Any
 
@@ -606,12 +607,13 @@ def test_an_overlap_lease_trains_on_from_the_end_weights_and_moves_onto_the_land
     coordinator: Coordinator,
 ) -> None:
     """Run field `overlap`, one path, a module step per upload (dn_period 1): each upload's reply carries the next
-    lease, whose modules are the versions that step will make, without weights. The island trains on from its own
-    end weights of the path, and when the versions land (`GET /v1/leases/{id}/modules`), moves the model by
-    (landed - end weights) before its next step; its outer gradient is taken against the landed versions. Replayed
-    bit for bit: end weights, the steps before the rebase, the shift, the steps after it."""
+    lease, whose modules are the versions that step will make, without weights. With `overlap_wait` 0 the island
+    trains on at once from its own end weights of the path, and when the versions land (`GET
+    /v1/leases/{id}/modules`), moves the model by (landed - end weights) before its next step; its outer gradient
+    is taken against the landed versions. Replayed bit for bit: end weights, the steps before the rebase, the
+    shift, the steps after it."""
     run = coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
-    island, transport = coordinator.island(max_rounds=3)
+    island, transport = coordinator.island(max_rounds=3, overlap_wait=0.0)
     assert island.run() == EXIT_OK
     assert [r.status for r in island.results] == ["uploaded"] * 3
     assert [e.status for e in transport.to("lease")] == [200]  # the other two came with the uploads
@@ -658,6 +660,65 @@ def test_an_overlap_lease_trains_on_from_the_end_weights_and_moves_onto_the_land
         assert_same(stored_upload(coordinator, transport, lease.lease_id), want)
         ends = [{n: trained[n].clone() for n in weights} for weights in landed]
         saved = copy.deepcopy(optimizer.state_dict())
+
+
+def test_an_overlap_lease_waits_for_its_versions_before_its_first_step(coordinator: Coordinator) -> None:
+    """With the default `overlap_wait` (0.1 of the lease's expected training time) an overlap lease whose versions
+    land in time moves onto them before its first step: it trains exactly as a lease issued with those versions
+    would (the replay starts from the landed weights), and the wait is kept out of its training time."""
+    coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
+    island, transport = coordinator.island(max_rounds=3)
+    fetch = island._landed_weights
+
+    def slow_fetch(lease: LeasePublic, inputs: Any) -> Any:
+        time.sleep(0.05)  # the versions land while the lease waits
+        return fetch(lease, inputs)
+
+    island._landed_weights = slow_fetch  # type: ignore[method-assign]
+    wait_s: list[float] = []
+    plan = island._overlap_wait_s
+
+    def planned(lease: LeasePublic) -> float:
+        wait_s.append(plan(lease))
+        return 60.0  # a tiny model's 0.1 share is milliseconds: long enough here that the 50 ms fetch lands first
+
+    island._overlap_wait_s = planned  # type: ignore[method-assign]
+    assert island.run() == EXIT_OK
+    assert [(r.status, r.rebased_at) for r in island.results] == [("uploaded", None), ("uploaded", 0), ("uploaded", 0)]
+    leases = accepted(island, transport)
+    assert (
+        wait_s
+        == [  # from the lease before: 0.1 x its time per step x this lease's H
+            pytest.approx(0.1 * before.train_s / len(before.losses) * lease.inner_steps)
+            for before, lease in zip(island.results, leases[1:], strict=False)
+        ]
+    )
+    for r in island.results[1:]:
+        assert r.landed_wait_s is not None and 0.04 < r.landed_wait_s < 5
+    want = replay(coordinator, leases, capacity=4)
+    for lease in leases:
+        got = stored_upload(coordinator, transport, lease.lease_id)
+        for name in want[lease.lease_id]:  # end weights + (landed - end weights): the landed ones up to rounding
+            torch.testing.assert_close(got[name], want[lease.lease_id][name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_an_overlap_lease_trains_through_versions_that_land_after_its_wait(coordinator: Coordinator) -> None:
+    """When the versions have not landed within the wait, the lease trains on from its end weights and moves onto
+    them later (here the fetch takes longer than the whole lease, so after its last step)."""
+    coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
+    island, _ = coordinator.island(max_rounds=2)
+    fetch = island._landed_weights
+
+    def late(lease: LeasePublic, inputs: Any) -> Any:
+        time.sleep(1.0)
+        return fetch(lease, inputs)
+
+    island._landed_weights = late  # type: ignore[method-assign]
+    island._overlap_wait_s = lambda lease: 0.05  # type: ignore[method-assign]
+    assert island.run() == EXIT_OK
+    second = island.results[1]
+    assert second.status == "uploaded" and second.rebased_at == len(second.losses)
+    assert second.landed_wait_s is not None and second.landed_wait_s > 0.05
 
 
 def test_an_overlap_lease_without_end_weights_waits_for_its_versions(coordinator: Coordinator) -> None:
