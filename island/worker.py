@@ -203,6 +203,9 @@ class _EndWeights:
     modules: dict[int, dict[str, torch.Tensor]]
 
 
+INTERRUPT_CHECK_S = 0.1
+"""How often an overlap lease waiting for its versions before its first step looks for a stop or a lost lease."""
+
 LANDED_WAIT_S = 5.0
 """Long polling of an overlap lease's pending module versions (they land with a module step: well under this)."""
 
@@ -226,14 +229,18 @@ class _Rebase:
         self.waited_s = 0.0
         """Seconds waited for the versions in all (before the first step and after the last)."""
 
+    def wait_first(self, interrupted: Callable[[], bool]) -> None:
+        """Before the first inner step: wait up to `wait_s` for the versions, or until `interrupted()` (a stop
+        request, a lost lease: the caller checks those next)."""
+        t0 = time.perf_counter()
+        deadline = t0 + self._wait_s
+        while not self._future.done() and not interrupted() and (left := deadline - time.perf_counter()) > 0:
+            wait_futures([self._future], timeout=min(left, INTERRUPT_CHECK_S))
+        self.waited_first_s = time.perf_counter() - t0
+        self.waited_s += self.waited_first_s
+
     def maybe(self, model: PathModel, step: int) -> None:
-        """Before inner step `step`: rebase if the versions landed (a failed fetch is raised by `finish`); before the
-        first, wait up to `wait_s` for them."""
-        if self.at is None and step == 0 and self._wait_s > 0:
-            t0 = time.perf_counter()
-            wait_futures([self._future], timeout=self._wait_s)
-            self.waited_first_s = time.perf_counter() - t0
-            self.waited_s += self.waited_first_s
+        """Before inner step `step`: rebase if the versions landed (a failed fetch is raised by `finish`)."""
         if self.at is None and self._future.done() and self._future.exception() is None:
             self._apply(model)
             self.at = step
@@ -690,6 +697,8 @@ class Island:
             nonlocal lost
             if self._stall is not None:
                 self._stall.maybe_stall(lease_id=lease.lease_id, round=lease.round, step=i, stop=self._stop)
+            if rebase is not None and i == 0:
+                rebase.wait_first(lambda: self._stop.is_set() or heartbeat.lease_lost)
             if self._stop.is_set():
                 result.status = "stopped"
                 return False

@@ -721,6 +721,30 @@ def test_an_overlap_lease_trains_through_versions_that_land_after_its_wait(coord
     assert second.landed_wait_s is not None and second.landed_wait_s > 0.05
 
 
+def test_a_stop_request_ends_the_wait_for_the_versions(coordinator: Coordinator) -> None:
+    """A stop request while an overlap lease waits for its versions before its first step ends the wait at once
+    (not after the wait's bound, here 60 s): the lease is released with no step taken."""
+    coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
+    island, transport = coordinator.island(max_rounds=3)
+    fetch, gate = island._landed_weights, threading.Event()
+
+    def stopped_meanwhile(lease: LeasePublic, inputs: Any) -> Any:
+        island.request_stop(signal.SIGTERM)
+        gate.wait(30)  # the versions never land while the island is stopping
+        return fetch(lease, inputs)
+
+    island._landed_weights = stopped_meanwhile  # type: ignore[method-assign]
+    island._overlap_wait_s = lambda lease: 60.0  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        assert island.run() == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 10
+    finally:
+        gate.set()
+    assert [(r.status, r.losses) for r in island.results][1:] == [("stopped", [])]
+    assert [e.reply["status"] for e in transport.to("release")] == ["released"]
+
+
 def test_an_overlap_lease_without_end_weights_waits_for_its_versions(coordinator: Coordinator) -> None:
     """An island that kept no end weights of the path (here forgotten before each lease, as after a restart) trains
     an overlap lease from its versions once they have landed: long polling `GET /v1/leases/{id}/modules`, then
