@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_coordinator import drop_pg, pg_database
 
 from coordinator.schemas import ContributionSummary, EventPublic, LeaseSummary, ModulePublic, OuterSpec, RunCreate
 from coordinator.services.runs import DEFAULT_ASYNC_LR_FACTOR, DEFAULT_ASYNC_MOMENTUM
@@ -133,6 +134,8 @@ class Config:
     """The async levels' `staleness_damping` (1/(1+s), 1/(1+s)^2, or none)."""
     max_staleness: int | None = None
     """The run's `max_staleness` for async levels (None: the run default)."""
+    postgres: bool = False
+    """Each mode's coordinator on a fresh PostgreSQL database instead of SQLite."""
     path_leases: int | None = None
     """The async run's `path_leases` (path sharing: leases that may train one path at once; None: the run
     default, 2)."""
@@ -668,6 +671,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         default=None,
         help=f"outer.async_momentum of the async/hybrid runs (default: the run's, {DEFAULT_ASYNC_MOMENTUM:g})",
     )
+    parser.add_argument(
+        "--postgres",
+        action="store_true",
+        help="each mode's coordinator on a fresh PostgreSQL database (DIPACO_TEST_PG_SERVER, default the local "
+        "server), dropped after the mode; default SQLite in the mode's data directory",
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async.json"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-async-work"), help="corpus and run dirs")
     args = parser.parse_args(argv)
@@ -698,6 +707,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         path_leases=args.path_leases,
         async_outer_lr=args.async_outer_lr,
         async_outer_momentum=args.async_outer_momentum,
+        postgres=args.postgres,
     )
     return config, args.out, args.workdir
 
@@ -721,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"islands at nice {cfg.island_nice}; {cfg.budget_s:g} s per mode; "
         f"H {cfg.inner_steps} (async {cfg.min_inner_steps}..{cfg.max_inner_steps}), "
         f"batch {cfg.batch_size}; seed {cfg.seed}; parts {','.join(map(str, sorted(cfg.parts)))}; "
+        f"database {'postgresql' if cfg.postgres else 'sqlite'}; "
         f"modes {','.join(cfg.modes)}; damping {cfg.damping}; max_staleness {cfg.max_staleness}; "
         f"path_leases {cfg.path_leases}; outer.async_lr {cfg.async_outer_lr or 'run default'}; "
         f"outer.async_momentum {cfg.async_outer_momentum if cfg.async_outer_momentum is not None else 'run default'}"
@@ -732,7 +743,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     for mode in cfg.modes:
         t = time.monotonic()
-        trial = train(mode, cfg, layout=two_by_two.layout, shards_dir=shards_dir, workdir=rundir, stall_s=stall_s)
+        database = pg_database() if cfg.postgres else None
+        if database is not None:  # the coordinator's settings read it; the islands ignore it
+            os.environ["DIPACO_DATABASE_URL"] = database
+        try:
+            trial = train(mode, cfg, layout=two_by_two.layout, shards_dir=shards_dir, workdir=rundir, stall_s=stall_s)
+        except BaseException:
+            if database is not None:
+                drop_pg(database)
+            raise
         try:
             r = counts(trial)
             stall_s = r.get("stall_s", stall_s)  # every mode stalls as long as round did
@@ -742,6 +761,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r |= score(trial, Scorer(trial.service, trial.run_id, router, documents), cfg, target=target)
         finally:
             trial.service.stop()
+            if database is not None:
+                del os.environ["DIPACO_DATABASE_URL"]
+                drop_pg(database)
         results[mode] = r
         print(f"  {mode}: {r['tokens']} tokens, {r['accepted']} accepted, {r['refused']} refused "
               f"({time.monotonic() - t:.0f} s)", flush=True)  # fmt: skip
