@@ -712,6 +712,22 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
     return config, args.out, args.workdir
 
 
+@contextlib.contextmanager
+def mode_database(*, postgres: bool) -> Iterator[None]:
+    """With `postgres`, a fresh PostgreSQL database for the coordinator started inside (its settings read
+    DIPACO_DATABASE_URL; the islands ignore it), dropped on the way out; else nothing (SQLite in the data dir)."""
+    if not postgres:
+        yield
+        return
+    url = pg_database()
+    os.environ["DIPACO_DATABASE_URL"] = url
+    try:
+        yield
+    finally:
+        del os.environ["DIPACO_DATABASE_URL"]
+        drop_pg(url)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, out, workdir = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = os.environ["DIPACO_TORCH_THREADS"] = "1"  # every subprocess inherits these
@@ -743,27 +759,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     for mode in cfg.modes:
         t = time.monotonic()
-        database = pg_database() if cfg.postgres else None
-        if database is not None:  # the coordinator's settings read it; the islands ignore it
-            os.environ["DIPACO_DATABASE_URL"] = database
-        try:
+        with mode_database(postgres=cfg.postgres):
             trial = train(mode, cfg, layout=two_by_two.layout, shards_dir=shards_dir, workdir=rundir, stall_s=stall_s)
-        except BaseException:
-            if database is not None:
-                drop_pg(database)
-            raise
-        try:
-            r = counts(trial)
-            stall_s = r.get("stall_s", stall_s)  # every mode stalls as long as round did
-            if 1 in cfg.parts:
-                base = results.get("round")
-                target = None if base is None else {"ppl": base["final_ppl"], "tokens": base["tokens"]}
-                r |= score(trial, Scorer(trial.service, trial.run_id, router, documents), cfg, target=target)
-        finally:
-            trial.service.stop()
-            if database is not None:
-                del os.environ["DIPACO_DATABASE_URL"]
-                drop_pg(database)
+            try:
+                r = counts(trial)
+                stall_s = r.get("stall_s", stall_s)  # every mode stalls as long as round did
+                if 1 in cfg.parts:
+                    base = results.get("round")
+                    target = None if base is None else {"ppl": base["final_ppl"], "tokens": base["tokens"]}
+                    r |= score(trial, Scorer(trial.service, trial.run_id, router, documents), cfg, target=target)
+            finally:
+                trial.service.stop()
         results[mode] = r
         print(f"  {mode}: {r['tokens']} tokens, {r['accepted']} accepted, {r['refused']} refused "
               f"({time.monotonic() - t:.0f} s)", flush=True)  # fmt: skip

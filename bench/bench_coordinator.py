@@ -782,6 +782,16 @@ def bench_apply(k: int, d_model: int, executors: list[int]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- islands
 
 
+CLOSING = "round-closing upload (server)"
+"""The coordinator's own time on the uploads whose reply says they closed their round."""
+
+
+def server_ms(reply: httpx.Response) -> float | None:
+    """The coordinator's own time on a request, from its `Server-Timing: app;dur=<ms>` header."""
+    dur = reply.headers.get("Server-Timing", "").partition("dur=")[2]
+    return float(dur) if dur else None
+
+
 async def bench_islands(
     n: int, seconds: float, workers: int, train_s: float, ramp_s: float, paths: int, external_apply: bool = False
 ) -> dict[str, Any]:
@@ -821,9 +831,9 @@ async def bench_islands(
             # a long-polled lease request is held on purpose while there is no work: not latency
             held = float(r.headers.get(H_HELD, 0))
             latencies[kind].append((time.perf_counter() - t) * 1000 - held)
-            server = r.headers.get("Server-Timing", "").partition("dur=")[2]  # the coordinator's own time
-            if server:
-                latencies.setdefault(f"{kind} (server)", []).append(float(server))
+            server = server_ms(r)
+            if server is not None:
+                latencies.setdefault(f"{kind} (server)", []).append(server)
             trace.append((t - t0, kind, latencies[kind][-1], r.status_code, held))
             return r
 
@@ -870,9 +880,9 @@ async def bench_islands(
                             continue
                         if u.status_code == 200:
                             accepted += 1
-                            if u.json()["round_applied"]:  # the target names the round-closing upload on its own
-                                server = u.headers.get("Server-Timing", "").partition("dur=")[2]
-                                latencies.setdefault(CLOSING, []).append(float(server))
+                            closing = server_ms(u)
+                            if u.json()["round_applied"] and closing is not None:  # the target names it on its own
+                                latencies.setdefault(CLOSING, []).append(closing)
                         elif u.status_code != 409:
                             errors.append(f"upload {u.status_code} {u.text[:200]}")
                     elif r.status_code == 204:
@@ -935,10 +945,6 @@ async def bench_islands(
         "server_p99_under_100_ms": {kind: v < 100 for kind, v in server_p99.items()},
         "ok": all(v < 100 for v in server_p99.values()) and CLOSING in server_p99 and stored == accepted and not errors,
     }
-
-
-CLOSING = "round-closing upload (server)"
-"""The coordinator's own time on the uploads whose reply says they closed their round."""
 
 
 # ------------------------------------------------------------------------------------------------ cost
