@@ -18,7 +18,9 @@ import os
 import signal
 import threading
 import time
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ import torch
 from rich.console import Console
 
 from coordinator.schemas import GRAD_KEY_SEP, IslandCapabilities, LeasePublic
+from coordinator.services import apply as apply_service
 from island.client import CoordinatorClient
 from island.faults import STALL_ENV
 from island.heartbeat import Heartbeater
@@ -603,8 +606,45 @@ def test_the_next_lease_is_asked_for_while_the_accepted_state_is_kept_but_not_af
     assert transport.to("release") == []
 
 
+@contextmanager
+def steps_held_until_leased(monkeypatch: pytest.MonkeyPatch, island: Island) -> Iterator[None]:
+    """Hold each module step of an overlap run until `island` has in hand the lease that trains through it (a lease
+    naming that module's next version without weights), and all of them once the block ends. Without it a step
+    that commits before the upload's reply builds the next lease (an executor woken at once, common on
+    PostgreSQL) makes that lease come with the landed weights, and the waiting or training through under test
+    never happens."""
+    cond = threading.Condition()
+    leased: Counter[int] = Counter()
+    stepped: Counter[int] = Counter()
+    released = False
+    step, prepare = apply_service.apply_step, island._prepare
+
+    def held(session: Any, blobs: Any, claimed: Any, *args: Any, **kwargs: Any) -> Any:
+        with cond:
+            mid = claimed.module_id
+            cond.wait_for(lambda: released or leased[mid] > stepped[mid], timeout=30)  # else the test's checks fail
+            stepped[mid] += 1
+        return step(session, blobs, claimed, *args, **kwargs)
+
+    def prepared(lease: LeasePublic) -> Any:
+        with cond:
+            leased.update(m.module_id for m in lease.modules if m.weights_hash is None)
+            cond.notify_all()
+        return prepare(lease)
+
+    monkeypatch.setattr(apply_service, "apply_step", held)
+    island._prepare = prepared  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        with cond:
+            released = True
+            cond.notify_all()
+
+
 def test_an_overlap_lease_trains_on_from_the_end_weights_and_moves_onto_the_landed_versions(
     coordinator: Coordinator,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Run field `overlap`, one path, a module step per upload (dn_period 1): each upload's reply carries the next
     lease, whose modules are the versions that step will make, without weights. With `overlap_wait` 0 the island
@@ -614,7 +654,8 @@ def test_an_overlap_lease_trains_on_from_the_end_weights_and_moves_onto_the_land
     shift, the steps after it."""
     run = coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
     island, transport = coordinator.island(max_rounds=3, overlap_wait=0.0)
-    assert island.run() == EXIT_OK
+    with steps_held_until_leased(monkeypatch, island):
+        assert island.run() == EXIT_OK
     assert [r.status for r in island.results] == ["uploaded"] * 3
     assert [e.status for e in transport.to("lease")] == [200]  # the other two came with the uploads
     leases = accepted(island, transport)
@@ -662,7 +703,9 @@ def test_an_overlap_lease_trains_on_from_the_end_weights_and_moves_onto_the_land
         saved = copy.deepcopy(optimizer.state_dict())
 
 
-def test_an_overlap_lease_waits_for_its_versions_before_its_first_step(coordinator: Coordinator) -> None:
+def test_an_overlap_lease_waits_for_its_versions_before_its_first_step(
+    coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With the default `overlap_wait` (0.1 of the lease's expected training time) an overlap lease whose versions
     land in time moves onto them before its first step: it trains exactly as a lease issued with those versions
     would (the replay starts from the landed weights), and the wait is kept out of its training time."""
@@ -683,7 +726,8 @@ def test_an_overlap_lease_waits_for_its_versions_before_its_first_step(coordinat
         return 60.0  # a tiny model's 0.1 share is milliseconds: long enough here that the 50 ms fetch lands first
 
     island._overlap_wait_s = planned  # type: ignore[method-assign]
-    assert island.run() == EXIT_OK
+    with steps_held_until_leased(monkeypatch, island):
+        assert island.run() == EXIT_OK
     assert [(r.status, r.rebased_at) for r in island.results] == [("uploaded", None), ("uploaded", 0), ("uploaded", 0)]
     leases = accepted(island, transport)
     assert (
@@ -702,7 +746,9 @@ def test_an_overlap_lease_waits_for_its_versions_before_its_first_step(coordinat
             torch.testing.assert_close(got[name], want[lease.lease_id][name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_an_overlap_lease_trains_through_versions_that_land_after_its_wait(coordinator: Coordinator) -> None:
+def test_an_overlap_lease_trains_through_versions_that_land_after_its_wait(
+    coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """When the versions have not landed within the wait, the lease trains on from its end weights and moves onto
     them later (here the fetch takes longer than the whole lease, so after its last step)."""
     coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
@@ -715,13 +761,16 @@ def test_an_overlap_lease_trains_through_versions_that_land_after_its_wait(coord
 
     island._landed_weights = late  # type: ignore[method-assign]
     island._overlap_wait_s = lambda lease: 0.05  # type: ignore[method-assign]
-    assert island.run() == EXIT_OK
+    with steps_held_until_leased(monkeypatch, island):
+        assert island.run() == EXIT_OK
     second = island.results[1]
     assert second.status == "uploaded" and second.rebased_at == len(second.losses)
     assert second.landed_wait_s is not None and second.landed_wait_s > 0.05
 
 
-def test_a_stop_request_ends_the_wait_for_the_versions(coordinator: Coordinator) -> None:
+def test_a_stop_request_ends_the_wait_for_the_versions(
+    coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A stop request while an overlap lease waits for its versions before its first step ends the wait at once
     (not after the wait's bound, here 60 s): the lease is released with no step taken."""
     coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
@@ -737,7 +786,8 @@ def test_a_stop_request_ends_the_wait_for_the_versions(coordinator: Coordinator)
     island._overlap_wait_s = lambda lease: 60.0  # type: ignore[method-assign]
     t0 = time.monotonic()
     try:
-        assert island.run() == 128 + signal.SIGTERM
+        with steps_held_until_leased(monkeypatch, island):
+            assert island.run() == 128 + signal.SIGTERM
         assert time.monotonic() - t0 < 10
     finally:
         gate.set()
@@ -745,7 +795,9 @@ def test_a_stop_request_ends_the_wait_for_the_versions(coordinator: Coordinator)
     assert [e.reply["status"] for e in transport.to("release")] == ["released"]
 
 
-def test_an_overlap_lease_without_end_weights_waits_for_its_versions(coordinator: Coordinator) -> None:
+def test_an_overlap_lease_without_end_weights_waits_for_its_versions(
+    coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An island that kept no end weights of the path (here forgotten before each lease, as after a restart) trains
     an overlap lease from its versions once they have landed: long polling `GET /v1/leases/{id}/modules`, then
     the same outer gradients as a replay from those versions."""
@@ -758,7 +810,8 @@ def test_an_overlap_lease_without_end_weights_waits_for_its_versions(coordinator
         return prepare(lease)
 
     island._prepare = forgetful  # type: ignore[method-assign]
-    assert island.run() == EXIT_OK
+    with steps_held_until_leased(monkeypatch, island):
+        assert island.run() == EXIT_OK
     assert [(r.status, r.rebased_at) for r in island.results] == [("uploaded", None)] * 3
     leases = accepted(island, transport)
     assert all(m.weights_hash is None for lease in leases[1:] for m in lease.modules)
