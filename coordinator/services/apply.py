@@ -1,10 +1,11 @@
 """Outer-apply executors (DiPaCo §3's sharded outer optimisation): each takes one module step of a closing round
 at a time, folds the outer gradients of the paths through that module into its new version, and commits it
-exactly once; the executor that commits a round's last step applies the round (`rounds.finish_round`).
+exactly once; the executor that commits a round's last step applies the round (`rounds.finish_round`). The steps
+due on one run's async modules are taken together (`ASYNC_BATCH`): one claim, each step's math, one commit.
 
 Any number of executors work on one database: threads of `dipaco coordinator serve` (`--apply-workers N`) and
 `dipaco coordinator apply-worker` processes on any machine that reaches the database and the blob store. They
-split a round's modules between them by claiming steps (`claim_step`).
+split a round's modules between them by claiming steps (`claim_steps`).
 
 Exactly once, whatever dies when:
   * a step is claimed (`running`, `claimed_by`, `claimed_at`) in a short transaction; its math runs outside any
@@ -24,18 +25,21 @@ Exactly once, whatever dies when:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Select, bindparam, func, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
+from sqlalchemy.sql.dml import ReturningUpdate
 
 from coordinator.blobstore import BlobStore
 from coordinator.db import reading, start_writing, without_flush_wait
@@ -111,13 +115,22 @@ class _Claimed:
     """How many times the step has been claimed, this claim included."""
 
 
-def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S) -> _Claimed | None:
-    """Claim the oldest step that is pending, or running under a claim older than `claim_s`, and whose module has
-    no earlier step left; commit. A reader looks first (`db.reading`): an executor that finds nothing, as after
-    its last step and at every poll, takes no lock (on SQLite, the write lock the lease requests its step just
-    woke are queueing for). The claim's commit does not wait for the disk (`db.without_flush_wait`): lost in a
-    power cut, the step is pending again, and the step's own commit, which waits, makes the claim durable too."""
-    stale = now - timedelta(seconds=claim_s)
+ASYNC_BATCH = 8
+"""Steps of one run's async modules (each its module's next) that one claim may take together: they are stepped one
+after the other and committed in one transaction, so an overlap lease waiting for two modules waits for one claim
+and one commit, not two of each (docs/LOG.md 2026-12-06, session 5). A round's steps are claimed one at a time,
+so that executors split a round's modules between them."""
+
+
+_Candidates = Select[int, StepStatus, int, bool]
+"""(step id, status, run id, whether its module is async)"""
+
+
+@functools.cache
+def _claim_statements() -> tuple[_Candidates, _Candidates, ReturningUpdate[int, int, int, int]]:
+    """`claim_steps`' statements, built once (building them was a third of a claim's time, docs/LOG.md 2026-12-06,
+    session 5): the probe and the candidates (a step pending, or running under a claim older than :stale, whose
+    module has no earlier step left), and the claim of one of them."""
     earlier = aliased(ModuleStep)
     before_it = (
         select(earlier.id)
@@ -128,35 +141,79 @@ def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = C
         )
         .exists()
     )
-    claimable = select(ModuleStep.id, ModuleStep.status).where(
-        (ModuleStep.status == StepStatus.PENDING)
-        | ((ModuleStep.status == StepStatus.RUNNING) & (ModuleStep.claimed_at < stale)),
-        ~before_it,  # a module's steps apply in order (an async module's periods)
+    claimable = (
+        select(ModuleStep.id, ModuleStep.status, ModuleStep.run_id, Module.period_size.is_not(None))
+        .join(Module, Module.id == ModuleStep.module_id)
+        .where(
+            (ModuleStep.status == StepStatus.PENDING)
+            | ((ModuleStep.status == StepStatus.RUNNING) & (ModuleStep.claimed_at < bindparam("stale"))),
+            ~before_it,  # a module's steps apply in order (an async module's periods)
+        )
     )
+    candidates = (
+        claimable.order_by(ModuleStep.id).limit(8 + ASYNC_BATCH).with_for_update(skip_locked=True, of=ModuleStep)
+    )
+    take = (
+        update(ModuleStep)
+        .where(ModuleStep.id == bindparam("claimed_step"), ModuleStep.status == bindparam("claimed_status"))
+        .values(
+            status=StepStatus.RUNNING,
+            claimed_by=bindparam("claimer"),
+            claimed_at=bindparam("claimed_now"),
+            attempts=ModuleStep.attempts + 1,
+        )
+        .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id, ModuleStep.attempts)
+    )
+    return claimable.limit(1), candidates, take
+
+
+def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S) -> _Claimed | None:
+    """Claim one step (`claim_steps` with a limit of one); None when there is none to claim."""
+    claimed = claim_steps(session, name, now=now, claim_s=claim_s, limit=1)
+    return claimed[0] if claimed else None
+
+
+def claim_steps(
+    session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S, limit: int = ASYNC_BATCH
+) -> list[_Claimed]:
+    """Claim the oldest step that is pending, or running under a claim older than `claim_s`, and whose module has
+    no earlier step left; when it is an async module's, also up to `limit` - 1 more such steps of the same run's
+    async modules (one per module: a module's later step waits for its earlier one); commit. Empty when there is
+    nothing to claim. A reader looks first (`db.reading`): an executor that finds nothing, as after its last step
+    and at every poll, takes no lock (on SQLite, the write lock the lease requests its step just woke are
+    queueing for). The claim's commit does not wait for the disk (`db.without_flush_wait`): lost in a power cut,
+    the steps are pending again, and the steps' own commit, which waits, makes the claim durable too."""
+    probe, candidates, take = _claim_statements()
+    stale = now - timedelta(seconds=claim_s)
     with reading():
-        if session.execute(claimable.limit(1)).first() is None:
+        if session.execute(probe, {"stale": stale}).first() is None:
             session.rollback()
-            return None
+            return []
         start_writing(session)
         with without_flush_wait(session):  # a claim lost in a power cut is pending again: the step is redone
-            candidates = claimable.order_by(ModuleStep.id).limit(8).with_for_update(skip_locked=True)
-            for step_id, status in session.execute(candidates).all():
+            claimed: list[_Claimed] = []
+            batch: int | None = None  # the run of the async steps claimed so far
+            for step_id, status, run_id, asynchronous in session.execute(candidates, {"stale": stale}).all():
+                if claimed and (not asynchronous or run_id != batch):
+                    continue
                 taken = session.execute(
-                    update(ModuleStep)
-                    .where(ModuleStep.id == step_id, ModuleStep.status == status)
-                    .values(
-                        status=StepStatus.RUNNING, claimed_by=name, claimed_at=now, attempts=ModuleStep.attempts + 1
-                    )
-                    .returning(ModuleStep.run_id, ModuleStep.round, ModuleStep.module_id, ModuleStep.attempts),
+                    take,
+                    {"claimed_step": step_id, "claimed_status": status, "claimer": name, "claimed_now": now},
                     execution_options={"synchronize_session": False},
                 ).first()
-                if taken is not None:
-                    session.commit()
-                    return _Claimed(
-                        step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2], attempts=taken[3]
-                    )
-            session.rollback()
-            return None
+                if taken is None:
+                    continue
+                claimed.append(
+                    _Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2], attempts=taken[3])
+                )
+                if not asynchronous or len(claimed) >= limit:
+                    break
+                batch = run_id
+            if claimed:
+                session.commit()
+            else:
+                session.rollback()
+            return claimed
 
 
 def give_up_failed(
@@ -269,6 +326,18 @@ class _NewVersion:
     weight_norm: float | None
 
 
+@dataclass(slots=True)
+class _Prepared:
+    """A claimed step whose math is done and whose new version is in the blob store, to commit (`_commit`)."""
+
+    claimed: _Claimed
+    base_version: int
+    """The module's version the step read (the commit checks that it is still the module's)."""
+    parts: list[_Part]
+    new_version: _NewVersion | None
+    started: float
+
+
 def apply_step(
     session: Session,
     blobs: BlobStore,
@@ -279,9 +348,28 @@ def apply_step(
     faults: FaultInjector = NO_FAULTS,
     affinity: Affinity | None = None,
 ) -> StepDone | None:
-    """Step one claimed module and commit; None when the claim was lost meanwhile (nothing is written then).
-    Direct uploads the step needs are verified first (`staging.verify_staged`; one that cannot be read is refused
-    at the step's `STAGED_READ_ATTEMPTS`th claim, so a broken object cannot hold its round forever)."""
+    """Step one claimed module and commit; None when the claim was lost meanwhile (nothing is written then)."""
+    prepared = _compute_step(blobs, _read_step(session, blobs, claimed), faults=faults)
+    return _commit(session, [prepared], name, clock=clock, faults=faults, affinity=affinity)[0]
+
+
+@dataclass(slots=True)
+class _StepInputs:
+    """What a claimed step's math needs, read from the database (`_read_step`)."""
+
+    claimed: _Claimed
+    base_version: int
+    weights_hash: str
+    momentum_hash: str | None
+    parts: list[_Part]
+    outer: OuterConfig
+    damping: Damping
+
+
+def _read_step(session: Session, blobs: BlobStore, claimed: _Claimed) -> _StepInputs:
+    """A claimed step's module, its outer config and its parts. Direct uploads the step needs are verified first
+    (`staging.verify_staged`; one that cannot be read is refused at the step's `STAGED_READ_ATTEMPTS`th claim, so
+    a broken object cannot hold its round forever)."""
     verify_staged(
         session,
         blobs,
@@ -296,22 +384,53 @@ def apply_step(
         outer, damping = OuterConfig(**run.config["outer"]), run_schedule(run).damping
         if module.period_size is not None:  # an async level's module
             outer = outer.for_async()
-        base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
-        parts = _parts(session, claimed)
+        inputs = _StepInputs(
+            claimed, module.version, module.weights_hash, module.momentum_hash, _parts(session, claimed), outer, damping
+        )
         session.rollback()  # the math runs outside any transaction
+    return inputs
+
+
+def _compute_step(blobs: BlobStore, inputs: _StepInputs, *, faults: FaultInjector) -> _Prepared:
+    """A step's math, its new version written to the blob store (no database)."""
     started = time.perf_counter()
-    stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer, damping)
+    stepped = _step(
+        blobs,
+        inputs.claimed.module_id,
+        inputs.weights_hash,
+        inputs.momentum_hash,
+        inputs.parts,
+        inputs.outer,
+        inputs.damping,
+    )
     new_version = None
     if stepped is not None:
         new_params, new_momentum = stepped
+        # the momentum is written (and fsynced) on a thread of its own while this one writes the weights: a
+        # step's two fsyncs were a third of its time beside training islands (docs/LOG.md 2026-12-06, session 5)
+        momentum = None if new_momentum is None else _blob_writer().submit(blobs.put_tensors, new_momentum)
+        weights_hash = blobs.put_tensors(new_params)
         new_version = _NewVersion(
-            weights_hash=blobs.put_tensors(new_params),
-            momentum_hash=blobs.put_tensors(new_momentum) if new_momentum is not None else None,
+            weights_hash=weights_hash,
+            momentum_hash=None if momentum is None else momentum.result(),
             weight_norm=weight_norm(new_params),  # the tensors in hand: nothing more is read
         )
     faults.point("apply.mid_step")
-    return _commit(session, claimed, name, base_version, parts, new_version, clock=clock, faults=faults,
-                   affinity=affinity, started=started)  # fmt: skip
+    return _Prepared(inputs.claimed, inputs.base_version, inputs.parts, new_version, started)
+
+
+_BLOB_WRITER: ThreadPoolExecutor | None = None
+_BLOB_WRITER_LOCK = threading.Lock()
+
+
+def _blob_writer() -> ThreadPoolExecutor:
+    """The process's threads for writing a step's momentum beside its weights (made on first use, shared by the
+    process's executors: each hands it one blob per step and waits for it)."""
+    global _BLOB_WRITER
+    with _BLOB_WRITER_LOCK:
+        if _BLOB_WRITER is None:
+            _BLOB_WRITER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dipaco-blob-write")
+        return _BLOB_WRITER
 
 
 def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
@@ -399,39 +518,106 @@ def _outlier_note(norm: float, scale: float, bound: float, outer: OuterConfig) -
 
 def _commit(
     session: Session,
-    claimed: _Claimed,
+    steps: list[_Prepared],
     name: str,
-    base_version: int,
-    parts: list[_Part],
-    new_version: _NewVersion | None,
     *,
     clock: Callable[[], datetime],
     faults: FaultInjector,
     affinity: Affinity | None,
-    started: float,
-) -> StepDone | None:
+) -> list[StepDone | None]:
     """One transaction, the run row locked (steps of a round commit one after the other, and the last one
-    applies the round): the step flips to `done` only under this executor's claim, the module takes its new
-    version, the parts record their outlier factors; the last step also applies the round."""
+    applies the round): each step flips to `done` only under this executor's claim and while its module is still
+    at the version the step read (else its result is dropped: None in its place), the module takes its new
+    version, the parts record their outlier factors; a round's last step also applies the round. Several steps
+    come only from one run's async modules (`claim_steps`)."""
     now = clock()
+    run_id = steps[0].claimed.run_id
+    assert all(p.claimed.run_id == run_id for p in steps)
     run = session.scalar(
-        select(Run).where(Run.id == claimed.run_id).with_for_update().execution_options(populate_existing=True)
+        select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
     )
     assert run is not None  # runs are never deleted
-    mine = session.execute(
-        update(ModuleStep)
-        .where(ModuleStep.id == claimed.step_id, ModuleStep.status == StepStatus.RUNNING, ModuleStep.claimed_by == name)
-        .values(status=StepStatus.DONE, done_at=now)
-    )
-    module = session.scalar(select(Module).where(Module.id == claimed.module_id).with_for_update())
-    if mine.rowcount != 1 or module is None or module.version != base_version:  # type: ignore[attr-defined]
+    done: list[tuple[_Prepared, Module] | None] = []
+    for prepared in steps:
+        claimed = prepared.claimed
+        module = session.scalar(select(Module).where(Module.id == claimed.module_id).with_for_update())
+        mine = None
+        if module is not None and module.version == prepared.base_version:
+            mine = session.execute(
+                update(ModuleStep)
+                .where(
+                    ModuleStep.id == claimed.step_id,
+                    ModuleStep.status == StepStatus.RUNNING,
+                    ModuleStep.claimed_by == name,
+                )
+                .values(status=StepStatus.DONE, done_at=now)
+            )
+        if module is None or mine is None or mine.rowcount != 1:  # type: ignore[attr-defined]
+            log.warning("module %s of run %s round %s: claim lost, result dropped", claimed.module_id, run_id,
+                        claimed.round)  # fmt: skip
+            done.append(None)
+            continue
+        _record_step(session, prepared, module, now=now)
+        done.append((prepared, module))
+    if all(d is None for d in done):
         session.rollback()
-        log.warning(
-            "module %s of run %s round %s: claim lost, result dropped", claimed.module_id, run.id, claimed.round
+        return [None] * len(steps)
+    asynchronous = any(d is not None and d[1].period_size is not None for d in done)
+    remaining: int | None = 1  # an async step applies no round
+    offers: list[ReadyOffer] = []
+    if asynchronous:
+        finish_if_done(session, run)
+    else:
+        [(prepared, _)] = [d for d in done if d is not None]
+        remaining = session.scalar(
+            select(func.count())
+            .select_from(ModuleStep)
+            .join(Module, Module.id == ModuleStep.module_id)
+            .where(
+                ModuleStep.run_id == run.id,
+                ModuleStep.round == prepared.claimed.round,
+                ModuleStep.status != StepStatus.DONE,
+                Module.period_size.is_(None),
+            )
         )
-        return None
-    asynchronous = module.period_size is not None
-    if new_version is not None or asynchronous:  # an async step always makes a version: staleness counts steps
+        offers = finish_round(session, run, prepared.claimed.round, now=now, affinity=affinity) if not remaining else []
+    faults.point("apply.before_commit")
+    session.commit()
+    results: list[StepDone | None] = []
+    for d in done:
+        if d is None:
+            results.append(None)
+            continue
+        prepared, module = d
+        parts = prepared.parts
+        log.info(
+            "run %s round %s: module %s stepped in %.2f s%s",
+            run.id,
+            prepared.claimed.round,
+            module.id,
+            time.perf_counter() - prepared.started,
+            "; round applied" if not remaining else "",
+        )
+        results.append(
+            StepDone(
+                run_id=run.id,
+                round=prepared.claimed.round,
+                module_id=module.id,
+                clipped=sum(0 < p.scale < 1 for p in parts),
+                refused=sum(p.scale == 0 for p in parts),
+                round_applied=not remaining,
+                offers=offers,
+                async_step=module.period_size is not None,
+            )
+        )
+    return results
+
+
+def _record_step(session: Session, prepared: _Prepared, module: Module, *, now: datetime) -> None:
+    """Inside `_commit`'s transaction: the module's new version (an async step always makes one: staleness counts
+    steps), and the outlier factors of the parts whose outcome differs from what their rows say."""
+    new_version = prepared.new_version
+    if new_version is not None or module.period_size is not None:
         if new_version is not None:
             module.weights_hash, module.momentum_hash = new_version.weights_hash, new_version.momentum_hash
             module.weight_norm = new_version.weight_norm
@@ -443,11 +629,11 @@ def _commit(
                 version=module.version,
                 weights_hash=module.weights_hash,
                 momentum_hash=module.momentum_hash,
-                round=claimed.round,
+                round=prepared.claimed.round,
                 created_at=now,
             )
         )
-    for part in parts:
+    for part in prepared.parts:
         if (part.scale, part.note) == part.stored:
             continue  # as sent (most parts), or refused at verification: the row says so already
         session.execute(
@@ -456,43 +642,6 @@ def _commit(
             .values(scale=part.scale, note=part.note),
             execution_options={"synchronize_session": False},
         )
-    remaining: int | None = 1  # an async step applies no round
-    offers: list[ReadyOffer] = []
-    if asynchronous:
-        finish_if_done(session, run)
-    else:
-        remaining = session.scalar(
-            select(func.count())
-            .select_from(ModuleStep)
-            .join(Module, Module.id == ModuleStep.module_id)
-            .where(
-                ModuleStep.run_id == run.id,
-                ModuleStep.round == claimed.round,
-                ModuleStep.status != StepStatus.DONE,
-                Module.period_size.is_(None),
-            )
-        )
-        offers = finish_round(session, run, claimed.round, now=now, affinity=affinity) if not remaining else []
-    faults.point("apply.before_commit")
-    session.commit()
-    log.info(
-        "run %s round %s: module %s stepped in %.2f s%s",
-        run.id,
-        claimed.round,
-        module.id,
-        time.perf_counter() - started,
-        "; round applied" if not remaining else "",
-    )
-    return StepDone(
-        run_id=run.id,
-        round=claimed.round,
-        module_id=module.id,
-        clipped=sum(0 < p.scale < 1 for p in parts),
-        refused=sum(p.scale == 0 for p in parts),
-        round_applied=not remaining,
-        offers=offers,
-        async_step=asynchronous,
-    )
 
 
 class ApplyExecutor:
@@ -509,8 +658,13 @@ class ApplyExecutor:
         affinity: Affinity | None = None,
         claim_s: float = CLAIM_S,
         on_step: Callable[[StepDone], None] | None = None,
+        batch: int = ASYNC_BATCH,
     ) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, not {batch}")
         self.name = name
+        self._batch = batch
+        """Async steps one claim may take (`claim_steps`); 1: one at a time, as before 2026-12-06."""
         self._sessions = sessions
         self._blobs = blobs
         self._clock = clock
@@ -522,35 +676,49 @@ class ApplyExecutor:
         """Steps this executor committed."""
 
     def work(self, stop: threading.Event | None = None) -> int:
-        """Apply steps until none can be claimed, or until `stop` is set (the step in hand is committed first, and
-        no other claimed: a process about to exit leaves no claim for `claim_s` to free); returns how many this
-        call committed."""
+        """Apply steps until none can be claimed, or until `stop` is set (the steps in hand are committed first,
+        and no other claimed: a process about to exit leaves no claim for `claim_s` to free); returns how many
+        this call committed."""
         done = 0
         with self._sessions() as session:
             while stop is None or not stop.is_set():
-                claimed = claim_step(session, self.name, now=self._clock(), claim_s=self._claim_s)
-                if claimed is None:
+                claims = claim_steps(session, self.name, now=self._clock(), claim_s=self._claim_s, limit=self._batch)
+                if not claims:
                     return done
-                try:
-                    result = apply_step(
-                        session,
-                        self._blobs,
-                        claimed,
-                        self.name,
-                        clock=self._clock,
-                        faults=self._faults,
-                        affinity=self._affinity,
-                    )
-                except Exception as exc:  # given up and recorded; the other steps go on
-                    log.exception("apply executor %s: the step of module %d failed", self.name, claimed.module_id)
-                    give_up_failed(session, claimed, self.name, exc, now=self._clock(), claim_s=self._claim_s)
-                    continue
-                if result is not None:
-                    done += 1
-                    self.steps += 1
-                    if self._on_step is not None:
-                        self._on_step(result)
+                for result in self._apply(session, claims):
+                    if result is not None:
+                        done += 1
+                        self.steps += 1
+                        if self._on_step is not None:
+                            self._on_step(result)
         return done
+
+    def _apply(self, session: Session, claims: list[_Claimed]) -> list[StepDone | None]:
+        """Read and compute each claimed step, then commit those computed in one transaction. A step that fails is
+        given up and recorded (`give_up_failed`); the others go on (all of them, when the commit fails)."""
+        prepared = []
+        for claimed in claims:
+            try:
+                prepared.append(
+                    _compute_step(self._blobs, _read_step(session, self._blobs, claimed), faults=self._faults)
+                )
+            except Exception as exc:
+                self._give_up(session, claimed, exc)
+        if not prepared:
+            return []
+        try:
+            return _commit(
+                session, prepared, self.name, clock=self._clock, faults=self._faults, affinity=self._affinity
+            )
+        except Exception as exc:
+            session.rollback()
+            for done in prepared:
+                self._give_up(session, done.claimed, exc)
+            return []
+
+    def _give_up(self, session: Session, claimed: _Claimed, exc: Exception) -> None:
+        log.error("apply executor %s: the step of module %d failed", self.name, claimed.module_id, exc_info=exc)
+        give_up_failed(session, claimed, self.name, exc, now=self._clock(), claim_s=self._claim_s)
 
     def serve(self, stop: threading.Event, wake: threading.Event, *, poll_s: float) -> None:
         """Work whenever woken (a round closed in this process) or every `poll_s` (one closed elsewhere, a claim

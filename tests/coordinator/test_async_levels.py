@@ -7,13 +7,25 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from coordinator.models import Lease, ModuleStep
+from coordinator.services.apply import ApplyExecutor, StepDone, apply_step, claim_step, claim_steps
 from coordinator.services.leases import work_signature
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import TINY_RUN, A, J, app_executor, create_running_run, join, lease, train_lease, upload
+from tests.coordinator.helpers import (
+    TINY_RUN,
+    A,
+    J,
+    app_executor,
+    closed_round,
+    create_running_run,
+    join,
+    lease,
+    train_lease,
+    upload,
+)
 
 ASYNC = {"sync": "async", "inner_steps": 2, "num_rounds": 2}
 
@@ -383,3 +395,78 @@ def test_only_steps_of_async_modules_change_the_work_signature(no_executors: Tes
     assert _train_and_upload(client, first_a, a[1]).status_code == 200
     assert _train_and_upload(client, first_b, b[1]).status_code == 200  # fills a routed module's period
     assert steps_term() == 1
+
+
+def _commits(client: TestClient) -> list[int]:
+    """A counter of the database's commits from now on (every session of the app's engine)."""
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    engine = state.sessions.kw["bind"]
+    seen = [0]
+
+    def count(conn: Any) -> None:
+        seen[0] += 1
+
+    event.listen(engine, "commit", count)
+    return seen
+
+
+def _all_paths_uploaded(client: TestClient, run: dict[str, Any]) -> dict[tuple[int, int], int]:
+    """Every path of a fresh async 2x2 run trained and uploaded once: each of the 6 modules has a step due."""
+    islands = [join(client, f"island-{p}") for p in range(4)]
+    for (_, h), body in zip(islands, [lease(client, i, h) for i, h in islands], strict=True):
+        assert body is not None
+        assert _train_and_upload(client, body, h).status_code == 200
+    modules = {(m["level"], m["index"]): m["id"] for m in _modules(client, run["id"])}
+    assert sorted(m for m, _, _ in _steps(client)) == sorted(modules.values())
+    return modules
+
+
+def test_an_async_run_s_due_steps_are_claimed_together_and_committed_in_one_transaction(
+    no_executors: TestClient, clock: FakeClock
+) -> None:
+    """The steps due on a run's async modules are claimed by one executor at once and committed in one transaction
+    (two commits for six steps: the claim's and the steps'), each module stepped once; a round's steps are
+    claimed one at a time, so that executors split a round between them."""
+    client = no_executors
+    run = create_running_run(client, name="batch", **ASYNC)
+    modules = _all_paths_uploaded(client, run)
+    done: list[StepDone] = []
+    executor = app_executor(client, clock)
+    executor._on_step = done.append
+    commits = _commits(client)
+    assert executor.work() == 6
+    assert commits[0] == 2
+    assert sorted(d.module_id for d in done) == sorted(modules.values()) and all(d.async_step for d in done)
+    assert all(m["version"] == 1 for m in _modules(client, run["id"]))
+    assert executor.work() == 0
+    round_run = closed_round(client, name="round")
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    with state.sessions() as session:
+        claims = claim_steps(session, "one-at-a-time", now=clock())
+    assert len(claims) == 1 and claims[0].run_id == round_run["id"]
+
+
+def test_a_batch_drops_only_the_step_whose_claim_was_taken_over(no_executors: TestClient, clock: FakeClock) -> None:
+    """An executor claims the six due steps of an async run, stalls past `claim_s`; another executor takes one of
+    them over and commits it. The stalled executor's commit then steps the other five and drops that one: every
+    module is stepped exactly once."""
+    client = no_executors
+    run = create_running_run(client, name="taken", **ASYNC)
+    _all_paths_uploaded(client, run)
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    slow = ApplyExecutor(sessions=state.sessions, blobs=state.blobs, clock=clock, name="slow-1234-0", claim_s=60)
+    with state.sessions() as session:
+        claims = claim_steps(session, slow.name, now=clock(), claim_s=60)
+        assert len(claims) == 6
+        clock.advance(61)
+        taken = claim_step(session, "fast-1234-0", now=clock(), claim_s=60)  # one: it takes no batch of stale ones
+        assert taken is not None and taken.step_id == claims[0].step_id
+        assert apply_step(session, state.blobs, taken, "fast-1234-0", clock=clock) is not None
+        results = slow._apply(session, claims)
+    assert [r is None for r in results] == [True] + [False] * 5
+    versions = [(m["id"], m["version"]) for m in _modules(client, run["id"])]
+    assert all(v == 1 for _, v in versions), versions
+    with state.sessions() as session:
+        rows = session.execute(select(ModuleStep.module_id, ModuleStep.status, ModuleStep.claimed_by)).all()
+    assert sorted(str(s) for _, s, _ in rows) == ["done"] * 6
+    assert sum(by == "fast-1234-0" for _, _, by in rows) == 1
