@@ -431,8 +431,10 @@ def test_an_async_run_s_due_steps_are_claimed_together_and_committed_in_one_tran
     run = create_running_run(client, name="batch", **ASYNC)
     modules = _all_paths_uploaded(client, run)
     done: list[StepDone] = []
-    executor = app_executor(client, clock)
-    executor._on_step = done.append
+    state = client.app.state.dipaco  # type: ignore[attr-defined]
+    executor = ApplyExecutor(
+        sessions=state.sessions, blobs=state.blobs, clock=clock, name="test-0", on_step=done.append
+    )
     commits = _commits(client)
     assert executor.work() == 6
     assert commits[0] == 2
@@ -440,7 +442,6 @@ def test_an_async_run_s_due_steps_are_claimed_together_and_committed_in_one_tran
     assert all(m["version"] == 1 for m in _modules(client, run["id"]))
     assert executor.work() == 0
     round_run = closed_round(client, name="round")
-    state = client.app.state.dipaco  # type: ignore[attr-defined]
     with state.sessions() as session:
         claims = claim_steps(session, "one-at-a-time", now=clock())
     assert len(claims) == 1 and claims[0].run_id == round_run["id"]
