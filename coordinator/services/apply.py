@@ -349,27 +349,14 @@ def apply_step(
     affinity: Affinity | None = None,
 ) -> StepDone | None:
     """Step one claimed module and commit; None when the claim was lost meanwhile (nothing is written then)."""
-    prepared = _compute_step(blobs, _read_step(session, blobs, claimed), faults=faults)
+    prepared = _prepare_step(session, blobs, claimed, faults=faults)
     return _commit(session, [prepared], name, clock=clock, faults=faults, affinity=affinity)[0]
 
 
-@dataclass(slots=True)
-class _StepInputs:
-    """What a claimed step's math needs, read from the database (`_read_step`)."""
-
-    claimed: _Claimed
-    base_version: int
-    weights_hash: str
-    momentum_hash: str | None
-    parts: list[_Part]
-    outer: OuterConfig
-    damping: Damping
-
-
-def _read_step(session: Session, blobs: BlobStore, claimed: _Claimed) -> _StepInputs:
-    """A claimed step's module, its outer config and its parts. Direct uploads the step needs are verified first
-    (`staging.verify_staged`; one that cannot be read is refused at the step's `STAGED_READ_ATTEMPTS`th claim, so
-    a broken object cannot hold its round forever)."""
+def _prepare_step(session: Session, blobs: BlobStore, claimed: _Claimed, *, faults: FaultInjector) -> _Prepared:
+    """A claimed step's math, its new version written to the blob store. Direct uploads the step needs are verified
+    first (`staging.verify_staged`; one that cannot be read is refused at the step's `STAGED_READ_ATTEMPTS`th
+    claim, so a broken object cannot hold its round forever)."""
     verify_staged(
         session,
         blobs,
@@ -384,25 +371,11 @@ def _read_step(session: Session, blobs: BlobStore, claimed: _Claimed) -> _StepIn
         outer, damping = OuterConfig(**run.config["outer"]), run_schedule(run).damping
         if module.period_size is not None:  # an async level's module
             outer = outer.for_async()
-        inputs = _StepInputs(
-            claimed, module.version, module.weights_hash, module.momentum_hash, _parts(session, claimed), outer, damping
-        )
+        base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
+        parts = _parts(session, claimed)
         session.rollback()  # the math runs outside any transaction
-    return inputs
-
-
-def _compute_step(blobs: BlobStore, inputs: _StepInputs, *, faults: FaultInjector) -> _Prepared:
-    """A step's math, its new version written to the blob store (no database)."""
     started = time.perf_counter()
-    stepped = _step(
-        blobs,
-        inputs.claimed.module_id,
-        inputs.weights_hash,
-        inputs.momentum_hash,
-        inputs.parts,
-        inputs.outer,
-        inputs.damping,
-    )
+    stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer, damping)
     new_version = None
     if stepped is not None:
         new_params, new_momentum = stepped
@@ -416,21 +389,14 @@ def _compute_step(blobs: BlobStore, inputs: _StepInputs, *, faults: FaultInjecto
             weight_norm=weight_norm(new_params),  # the tensors in hand: nothing more is read
         )
     faults.point("apply.mid_step")
-    return _Prepared(inputs.claimed, inputs.base_version, inputs.parts, new_version, started)
+    return _Prepared(claimed, base_version, parts, new_version, started)
 
 
-_BLOB_WRITER: ThreadPoolExecutor | None = None
-_BLOB_WRITER_LOCK = threading.Lock()
-
-
+@functools.cache
 def _blob_writer() -> ThreadPoolExecutor:
     """The process's threads for writing a step's momentum beside its weights (made on first use, shared by the
     process's executors: each hands it one blob per step and waits for it)."""
-    global _BLOB_WRITER
-    with _BLOB_WRITER_LOCK:
-        if _BLOB_WRITER is None:
-            _BLOB_WRITER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dipaco-blob-write")
-        return _BLOB_WRITER
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="dipaco-blob-write")
 
 
 def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
@@ -699,9 +665,7 @@ class ApplyExecutor:
         prepared = []
         for claimed in claims:
             try:
-                prepared.append(
-                    _compute_step(self._blobs, _read_step(session, self._blobs, claimed), faults=self._faults)
-                )
+                prepared.append(_prepare_step(session, self._blobs, claimed, faults=self._faults))
             except Exception as exc:
                 self._give_up(session, claimed, exc)
         if not prepared:

@@ -617,14 +617,14 @@ def steps_held_until_leased(monkeypatch: pytest.MonkeyPatch, island: Island) -> 
     leased: Counter[int] = Counter()
     stepped: Counter[int] = Counter()
     released = False
-    step, prepare = apply_service._read_step, island._prepare
+    step, prepare = apply_service._prepare_step, island._prepare
 
-    def held(session: Any, blobs: Any, claimed: Any) -> Any:
+    def held(session: Any, blobs: Any, claimed: Any, **kwargs: Any) -> Any:
         with cond:
             mid = claimed.module_id
             cond.wait_for(lambda: released or leased[mid] > stepped[mid], timeout=30)  # else the test's checks fail
             stepped[mid] += 1
-        return step(session, blobs, claimed)
+        return step(session, blobs, claimed, **kwargs)
 
     def prepared(lease: LeasePublic) -> Any:
         with cond:
@@ -632,7 +632,7 @@ def steps_held_until_leased(monkeypatch: pytest.MonkeyPatch, island: Island) -> 
             cond.notify_all()
         return prepare(lease)
 
-    monkeypatch.setattr(apply_service, "_read_step", held)
+    monkeypatch.setattr(apply_service, "_prepare_step", held)
     island._prepare = prepared  # type: ignore[method-assign]
     try:
         yield
