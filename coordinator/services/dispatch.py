@@ -106,7 +106,7 @@ class LeaseDispatcher:
             found = await self._attempt(island_id, ticket)
             left = until - time.monotonic()
             if found.lease is not None or left <= 0 or found.idle == "no-running-runs":
-                lease = self._with_urls(found.lease) if found.lease is not None else None
+                lease = self.with_urls(found.lease) if found.lease is not None else None
                 return Dispatched(lease=lease, idle=found.idle, held_s=held)
             started = time.monotonic()
             await self._wakeups.wait(ticket, left)
@@ -118,7 +118,7 @@ class LeaseDispatcher:
         overlap or no path is free."""
         async with self._slots:
             lease = await run_in_threadpool(self._through, island_id, path_id)
-        return None if lease is None else self._with_urls(lease)
+        return None if lease is None else self.with_urls(lease)
 
     def _through(self, island_id: int, path_id: int) -> LeasePublic | None:
         with reading(), self._sessions() as session:
@@ -159,7 +159,7 @@ class LeaseDispatcher:
             for m in modules
         ]
 
-    def _with_urls(self, lease: LeasePublic) -> LeasePublic:
+    def with_urls(self, lease: LeasePublic) -> LeasePublic:
         """The lease with pre-signed GETs of its modules, shard and held-out slice, and direct upload on (s3://
         stores only)."""
         if self._direct is None:

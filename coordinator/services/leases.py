@@ -353,6 +353,31 @@ def acquire_through(
     return None if issued is None else issued[0]
 
 
+def grant_through(
+    session: Session, run: Run, island_id: int, path_id: int, *, now: datetime, affinity: Affinity, max_leases: int
+) -> LeasePublic | None:
+    """`acquire_through` inside the transaction of the island's accepted upload on `path_id` (`uploads._record`,
+    which holds the run row as a lease grant does: FOR UPDATE): the lease is committed with the upload, one
+    transaction and one wait for the log instead of two (docs/LOG.md 2026-12-07). Flushed, not committed; None,
+    with nothing written, when the run does not overlap, the island may hold no more leases or is no longer
+    active, or no path is free."""
+    if run.status != RunStatus.RUNNING or run.schedule != "async" or not overlap(run):
+        return None
+    budget = run.num_rounds * run.inner_steps
+    if affinity.reserve_s > 0 and _own_path_stepping(session, run.id, island_id, budget, through=path_id):
+        return None
+    status, holding, allowed = _holding(session, island_id, now=now, max_leases=max_leases)
+    if status != IslandStatus.ACTIVE or holding >= allowed:
+        return None
+    live_s = affinity.live_s if affinity.reserve_s > 0 else None
+    wanted = lease_steps(session, run, island_id)
+    planned = plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, live_s=live_s, through=path_id)
+    if planned is None:
+        return None
+    path, span = planned
+    return _issue(session, run, path, island_id, now=now, span=span, ahead=True)
+
+
 def lease_modules(session: Session, lease_id: int, island_id: int) -> LeaseModules:
     """The modules of the island's pending lease at its base versions, each with its weights once that version
     exists (`LeaseModules.ready` when all do). 404 for an unknown lease, 403 for another island's, 409 once it
@@ -466,22 +491,29 @@ class OfferPending(Conflict):
     the answer (`LeaseDispatcher` takes it). Only reaches a client if that offer is gone again by then."""
 
 
-def _check_capacity(session: Session, island_id: int, *, now: datetime, max_leases: int) -> None:
-    """Refuse (409, after a rollback) a lease to an island that already holds as many as it may (its claimed
-    `max_leases` and the count of its pending leases in one statement; their ids only for the refusal), or that
-    is no longer active (it left or was revoked while its request was held waiting for work).
-    `OfferPending` when one of them is an offer it has not taken yet."""
+def _holding(session: Session, island_id: int, *, now: datetime, max_leases: int) -> tuple[IslandStatus, int, int]:
+    """The island's status, how many leases it holds now, and how many it may (its claimed `max_leases`, within
+    the coordinator's), in one statement."""
     pending = [Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now]
     count = select(func.count(Lease.id)).where(*pending).scalar_subquery()
     capabilities, status, holding = session.execute(
         select(Island.capabilities, Island.status, count).where(Island.id == island_id)
     ).one()
+    claimed = capabilities.get("max_leases", 1) if isinstance(capabilities, dict) else 1
+    return status, holding, max(1, min(max_leases, claimed if isinstance(claimed, int) else 1))
+
+
+def _check_capacity(session: Session, island_id: int, *, now: datetime, max_leases: int) -> None:
+    """Refuse (409, after a rollback) a lease to an island that already holds as many as it may (its claimed
+    `max_leases` and the count of its pending leases in one statement; their ids only for the refusal), or that
+    is no longer active (it left or was revoked while its request was held waiting for work).
+    `OfferPending` when one of them is an offer it has not taken yet."""
+    status, holding, allowed = _holding(session, island_id, now=now, max_leases=max_leases)
     if status != IslandStatus.ACTIVE:
         session.rollback()
         raise Conflict(f"island {island_id} has status {status}: it gets no lease (join again for a new island)")
-    claimed = capabilities.get("max_leases", 1) if isinstance(capabilities, dict) else 1
-    allowed = max(1, min(max_leases, claimed if isinstance(claimed, int) else 1))
     if holding >= allowed:
+        pending = [Lease.island_id == island_id, Lease.status.in_(PENDING_LEASES), Lease.expires_at >= now]
         rows = session.execute(select(Lease.id, Lease.status).where(*pending).order_by(Lease.id)).all()
         session.rollback()
         held = [lease_id for lease_id, _ in rows]

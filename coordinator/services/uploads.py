@@ -10,6 +10,7 @@ to a bucket): it is staged, and the apply executor hashes it before any math (se
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from coordinator.schemas import (
     H_CONTENT_HASH,
     H_REBASED_AT,
     ContributionPublic,
+    LeasePublic,
     UploadCommit,
     UploadTicket,
     UploadTicketRequest,
@@ -47,6 +49,7 @@ from coordinator.schemas import (
 from coordinator.services.closing import RoundCloser
 from coordinator.services.direct import DirectLimits, Multipart, direct_ticket, staged_payload
 from coordinator.services.events import record_refused_upload
+from coordinator.services.leases import Affinity, grant_through
 from coordinator.services.payloads import (
     Payload,
     PayloadStream,
@@ -57,6 +60,8 @@ from coordinator.services.runs import overlap, run_layout, run_model_config, run
 from coordinator.services.sharing import advance_cursor, reissued
 from coordinator.states import ContributionStatus, LeaseStatus, RoundStatus, RunStatus
 from modules import Layout, ModelConfig, OuterConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +97,10 @@ class Upload:
     """The body's values, checked while it was spooled (`UploadDesk.payload_stream`); None: the file is read back."""
     multipart: Multipart | None = None
     """A direct upload PUT in parts: joined at its commit, before its header is read (`direct.staged_payload`)."""
+    through: bool = False
+    """The island asked for its next lease with the reply, one that may train through the module steps due on its
+    path (`next_lease` and `overlap`): in a run with `overlap` it is granted in the upload's own transaction
+    (`leases.grant_through`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +116,8 @@ class Submitted:
     `hybrid`) its paths free up and its module steps fall due on uploads."""
     overlap: bool = False
     """The run's `overlap` (all-async runs): the island's next lease may train through the path's due steps."""
+    next_lease: LeasePublic | None = None
+    """The island's next lease, granted in this upload's transaction (`Upload.through`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +131,11 @@ class Accepted:
     closed (the next round's leases follow its apply) and after a step fell due (the path is held until the
     step commits)."""
     through_path: int | None = None
-    """A new upload of a run with `overlap` (all-async): its path, which the island's next lease may train through
-    the module steps due on it (`leases.acquire_through`); None otherwise."""
+    """A new upload of a run with `overlap` (all-async) that got no lease in its transaction (it did not ask:
+    `Upload.through`): its path, which the island's next lease may train through the module steps due on it
+    (`leases.acquire_through`); None otherwise."""
+    next_lease: LeasePublic | None = None
+    """The island's next lease, committed with the upload (`Upload.through` in a run with `overlap`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +154,9 @@ class _Checked:
     """The run's codec: uploads must come in it."""
     sparse_rows: bool = False
     """The run's sparse_rows: the embedding comes as rows (`modules.sparse_rows`), and only then."""
+    overlap: bool = False
+    """An all-async run with `overlap`: an upload that asks for a lease through its path (`Upload.through`) takes
+    the run row as a lease grant does (FOR UPDATE), so that the grant can go in its transaction."""
 
 
 class UploadDesk:
@@ -157,6 +174,8 @@ class UploadDesk:
         faults: FaultInjector,
         max_upload_bytes: int = 1 << 30,
         direct: DirectLimits | None = None,
+        affinity: Affinity | None = None,
+        max_leases: int = 1,
     ) -> None:
         self._sessions = sessions
         self._blobs = blobs
@@ -166,6 +185,9 @@ class UploadDesk:
         self._faults = faults
         self._max_upload_bytes = max_upload_bytes
         self._direct = direct if direct is not None else DirectLimits()
+        self._affinity = affinity if affinity is not None else Affinity()
+        self._max_leases = max_leases
+        """As the dispatcher's: the leases granted with an upload follow the same rules (`leases.grant_through`)."""
 
     @property
     def direct(self) -> bool:
@@ -209,7 +231,7 @@ class UploadDesk:
                 sparse_rows=run.config.get("sparse_rows", False),
             )
 
-    def commit(self, lease_id: int, island_id: int, commit: UploadCommit) -> Accepted:
+    def commit(self, lease_id: int, island_id: int, commit: UploadCommit, *, through: bool = False) -> Accepted:
         """Record an outer gradient the island PUT to the bucket (`ticket`); the same checks and answers as an
         upload through the coordinator, the values verified later by the apply executor. A multipart upload's
         parts are joined first; a refused multipart commit aborts its upload (its parts are dropped)."""
@@ -232,6 +254,7 @@ class UploadDesk:
             multipart=None
             if commit.upload_id is None
             else Multipart(commit.upload_id, tuple((part.number, part.etag) for part in commit.parts or ())),
+            through=through,
         )
         try:
             return self.accept(upload)
@@ -247,7 +270,9 @@ class UploadDesk:
         now = self._clock()
         with pinned_session(self._sessions) as session:
             try:
-                submitted = submit_outer_gradients(session, self._blobs, upload, now=now, faults=self._faults)
+                submitted = submit_outer_gradients(
+                    session, self._blobs, upload, now=now, faults=self._faults, grant=self._grant
+                )
             except ServiceError as exc:
                 session.rollback()
                 record_refused_upload(
@@ -277,12 +302,44 @@ class UploadDesk:
             if submitted.created and submitted.schedule != "round":
                 self._closer.async_progress(submitted.steps)
             ready = submitted.created and not answer.round_applied and submitted.steps == 0
-            through = contribution.path_id if submitted.created and submitted.overlap else None
-            return Accepted(answer, lease_ready=ready, through_path=through)
+            asked = submitted.created and submitted.overlap and not upload.through
+            through = contribution.path_id if asked else None
+            if submitted.next_lease is not None:
+                self._metrics.leases_issued.inc()
+            return Accepted(answer, lease_ready=ready, through_path=through, next_lease=submitted.next_lease)
+
+    def _grant(self, session: Session, run: Run, island_id: int, path_id: int) -> LeasePublic | None:
+        """The island's next lease in its upload's transaction (`leases.grant_through`), issued now (the clock
+        read here, after the upload's checks); a failure only leaves it out (the upload stands, the island asks
+        as usual): it runs in a savepoint."""
+        try:
+            with session.begin_nested():
+                return grant_through(
+                    session,
+                    run,
+                    island_id,
+                    path_id,
+                    now=self._clock(),
+                    affinity=self._affinity,
+                    max_leases=self._max_leases,
+                )
+        except Exception:  # noqa: BLE001 - the upload stands without it
+            log.warning("no lease with the upload on path %d of run %d", path_id, run.id, exc_info=True)
+            return None
+
+
+Grant = Callable[[Session, Run, int, int], LeasePublic | None]
+"""Grants the island (third argument) its next lease through the path (fourth) in the upload's transaction."""
 
 
 def submit_outer_gradients(
-    session: Session, blobs: BlobStore, upload: Upload, *, now: datetime, faults: FaultInjector = NO_FAULTS
+    session: Session,
+    blobs: BlobStore,
+    upload: Upload,
+    *,
+    now: datetime,
+    faults: FaultInjector = NO_FAULTS,
+    grant: Grant | None = None,
 ) -> Submitted:
     """Accept (or refuse) one upload and commit.
 
@@ -294,7 +351,9 @@ def submit_outer_gradients(
     is checked again and the contribution written. Module versions only change when a round is applied, which
     takes the run row exclusively and moves the run to the next round, so "the lease's round is still current"
     under the lock means its base versions are too. A unique (path, round) constraint keeps a second upload for
-    the same path out even if two race.
+    the same path out even if two race. An upload that asks for its island's next lease through its path
+    (`Upload.through`, in a run with `overlap`) takes the run row exclusively instead and gets the lease in the
+    same transaction (`grant`).
     """
     checked = _check_upload(session, upload, now=now)
     if isinstance(checked, Submitted):
@@ -326,7 +385,7 @@ def submit_outer_gradients(
             codec=checked.codec,
             sparse_rows=checked.sparse_rows,
         )
-    return _record(session, blobs, upload, checked, payload, now=now, faults=faults)
+    return _record(session, blobs, upload, checked, payload, now=now, faults=faults, grant=grant)
 
 
 def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checked | Submitted:
@@ -359,6 +418,7 @@ def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checke
         outer=OuterConfig(**run.config["outer"]),
         codec=run.config.get("codec", "fp32"),
         sparse_rows=run.config.get("sparse_rows", False),
+        overlap=run.schedule == "async" and overlap(run),
     )
 
 
@@ -400,14 +460,20 @@ def _record(
     *,
     now: datetime,
     faults: FaultInjector,
+    grant: Grant | None,
 ) -> Submitted:
     """Under a key-share lock on the run row: check the lease again, store the body, write the contribution, mark
-    the lease submitted and advance the path's data cursor; commit."""
+    the lease submitted and advance the path's data cursor; with `grant`, when the upload asks for it, issue the
+    island's next lease; commit."""
     # the lock first, then the rows in a statement of their own: on PostgreSQL a statement that waited for the
     # lock would still see the other rows as they were when it started (a round closed meanwhile, say).
     # FOR KEY SHARE: uploads go side by side and past lease grants (FOR NO KEY UPDATE); a close or a step
-    # commit (FOR UPDATE) waits for them, and they for it
-    session.execute(select(Run.id).where(Run.id == checked.run_id).with_for_update(read=True, key_share=True))
+    # commit (FOR UPDATE) waits for them, and they for it. An upload that grants a lease takes the row as a lease
+    # grant does, from the start: two uploads that each held the shared lock and then asked for the exclusive one
+    # would deadlock on PostgreSQL
+    granting = grant is not None and upload.through and checked.overlap
+    lock = select(Run.id).where(Run.id == checked.run_id)
+    session.execute(lock.with_for_update() if granting else lock.with_for_update(read=True, key_share=True))
     found = _lease_state(session, upload.lease_id, fresh=True)
     lease, run, prior = found.lease, found.run, found.prior
     if prior is not None and prior.lease_id == upload.lease_id:
@@ -481,9 +547,12 @@ def _record(
     if run.schedule == "async" and budget_spent(session, run):
         steps += flush_periods(session, run)
         finish_if_done(session, run)
+    granted = None
+    if granting and grant is not None and overlap(run):
+        granted = grant(session, run, upload.island_id, lease.path_id)
     faults.point("upload.before_commit")
     session.commit()
-    return Submitted(contribution, True, path_index, steps, run.schedule, overlap(run))
+    return Submitted(contribution, True, path_index, steps, run.schedule, overlap(run), granted)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,11 +4,20 @@ lease on that path at once, against the versions those steps will make; the isla
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import event, func, select
+from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
+from coordinator.models import Lease, Run
+from coordinator.services import uploads as uploads_service
+from coordinator.services.leases import grant_through
 from dipaco.cli import app
 from tests.conftest import ADMIN, FakeClock
 from tests.coordinator.helpers import A, app_executor, create_running_run, join, lease, train_lease, upload
@@ -176,3 +185,111 @@ def test_a_lease_may_train_through_steps_another_islands_upload_made_due(
     assert client.get(f"/v1/leases/{nxt['lease_id']}/modules", headers=ha).json()["ready"] is False
     assert app_executor(client, clock).work() == 3  # and path 1's routed block
     assert client.get(f"/v1/leases/{nxt['lease_id']}/modules?wait=5", headers=ha).json()["ready"] is True
+
+
+@contextmanager
+def commits(client: TestClient) -> Iterator[list[int]]:
+    """Counts the database commits made while the block runs (by every connection of the app's engine)."""
+    seen: list[int] = []
+    engine = client.app.state.dipaco.engine  # type: ignore[attr-defined]
+
+    def count(_conn: object) -> None:
+        seen.append(1)
+
+    event.listen(engine, "commit", count)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "commit", count)
+
+
+def test_the_lease_through_is_committed_with_the_upload(no_executors: TestClient, clock: FakeClock) -> None:
+    """The next lease an upload's reply brings through its path's steps is granted in the upload's own
+    transaction: one commit for both (the lease issued after the upload's checks), where a grant of its own
+    after the upload took two; an upload that does not ask commits once too, and brings no lease."""
+    client = no_executors
+    run = create_running_run(client, name="one-commit", **OVERLAP)
+    island, h = join(client, "one")
+    first = lease(client, island, h)
+    assert first is not None
+    payload = train_lease(client, first, h)
+    with commits(client) as seen:
+        reply = upload(client, first, h, payload, next_lease=True, overlap=True)
+    assert reply.status_code == 200, reply.text
+    nxt = reply.json()["next_lease"]
+    assert nxt is not None and nxt["path_id"] == first["path_id"]
+    assert len(seen) == 1, f"{len(seen)} commits for an upload and the lease its reply brought"
+    listed = {x["id"]: x for x in client.get(f"/v1/leases?run_id={run['id']}", headers=A).json()["data"]}
+    contribution = client.get(f"/v1/contributions?run_id={run['id']}", headers=A).json()["data"][0]
+    assert listed[nxt["lease_id"]]["issued_at"] >= contribution["created_at"]
+    assert listed[first["lease_id"]]["status"] == "submitted" and listed[nxt["lease_id"]]["status"] == "active"
+    app_executor(client, clock).work()
+    landed = {**nxt, "modules": client.get(f"/v1/leases/{nxt['lease_id']}/modules", headers=h).json()["modules"]}
+    payload = train_lease(client, landed, h)
+    with commits(client) as seen:
+        plain = upload(client, landed, h, payload)
+    assert plain.status_code == 200 and plain.json()["next_lease"] is None and len(seen) == 1
+
+
+def test_a_grant_that_fails_leaves_the_upload_accepted_and_no_lease(
+    no_executors: TestClient, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease is granted in a savepoint of the upload's transaction: a grant that fails after writing its lease
+    takes only the lease back; the upload is accepted, its reply has no lease, and the island asks as usual."""
+    client = no_executors
+    run = create_running_run(client, name="grant-fails", **OVERLAP)
+    island, h = join(client, "one")
+    first = lease(client, island, h)
+    assert first is not None
+
+    def grant_then_fail(session: Session, *args: Any, **kwargs: Any) -> Any:
+        granted = grant_through(session, *args, **kwargs)
+        assert granted is not None  # written and flushed: the savepoint must take it back
+        assert session.scalar(select(func.count()).select_from(Lease)) == 2
+        raise RuntimeError("injected: the grant failed after writing its lease")
+
+    monkeypatch.setattr(uploads_service, "grant_through", grant_then_fail)
+    reply = _send(client, first, h, next_lease=True, overlap=True)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["next_lease"] is None
+    listed = client.get(f"/v1/leases?run_id={run['id']}", headers=A).json()["data"]
+    assert [(x["id"], x["status"]) for x in listed] == [(first["lease_id"], "submitted")]
+    parts = client.get(f"/v1/contributions?run_id={run['id']}", headers=A).json()["data"]
+    assert [(c["lease_id"], c["status"]) for c in parts] == [(first["lease_id"], "accepted")]
+    assert lease(client, island, h) is None  # its path steps: a plain request waits for that
+    assert app_executor(client, clock).work() == 4
+    again = lease(client, island, h)
+    assert again is not None and again["path_id"] == first["path_id"]
+    assert all(m["weights_hash"] is not None for m in again["modules"])
+
+
+def test_an_upload_that_grants_a_lease_takes_the_run_row_as_a_grant_does(no_executors: TestClient) -> None:
+    """On PostgreSQL a plain upload takes the run row FOR KEY SHARE (uploads side by side); one that asks for a lease
+    through its path takes it FOR UPDATE from the start, as an async lease grant does: grants stay serialised (two
+    must not plan on the same snapshot), and it never holds the shared lock while asking for the exclusive one (two
+    such uploads would deadlock). So it waits while another upload holds the row, and a plain one does not."""
+    client = no_executors
+    engine = client.app.state.dipaco.engine  # type: ignore[attr-defined]
+    if engine.dialect.name != "postgresql":
+        pytest.skip("row lock modes are PostgreSQL's; SQLite serialises every writer with BEGIN IMMEDIATE")
+    run = create_running_run(client, name="lock-mode", lease_ttl_s=600, **OVERLAP)
+    islands = [join(client, name) for name in ("a", "b")]
+    firsts = [lease(client, iid, h) for iid, h in islands]
+    bodies = [b for b in firsts if b is not None]
+    assert len(bodies) == 2
+    payloads = [train_lease(client, body, h) for body, (_, h) in zip(bodies, islands, strict=True)]
+    for p, through in ((0, False), (1, True)):
+        with engine.connect() as other, ThreadPoolExecutor(max_workers=1) as pool:
+            other.execute(select(Run.id).where(Run.id == run["id"]).with_for_update(read=True, key_share=True))
+            sent = pool.submit(
+                upload, client, bodies[p], islands[p][1], payloads[p], next_lease=through, overlap=through
+            )
+            done, _ = wait([sent], timeout=1.5 if through else 15)
+            if through:
+                assert not done, "an upload that grants a lease went past another upload's shared lock"
+            else:
+                assert done and sent.result().status_code == 200, "a plain upload waited for another's shared lock"
+            other.rollback()
+            reply = sent.result(timeout=15)
+        assert reply.status_code == 200, reply.text
+        assert (reply.json()["next_lease"] is not None) is through

@@ -610,9 +610,8 @@ def test_the_next_lease_is_asked_for_while_the_accepted_state_is_kept_but_not_af
 def steps_held_until_leased(monkeypatch: pytest.MonkeyPatch, island: Island) -> Iterator[None]:
     """Hold each module step of an overlap run until `island` has in hand the lease that trains through it (a lease
     naming that module's next version without weights), and all of them once the block ends. Without it a step
-    that commits before the upload's reply builds the next lease (an executor woken at once, common on
-    PostgreSQL) makes that lease come with the landed weights, and the waiting or training through under test
-    never happens."""
+    may land before the island starts on its lease (an executor woken at once by the upload's commit), and the
+    waiting or training through under test never happens."""
     cond = threading.Condition()
     leased: Counter[int] = Counter()
     stepped: Counter[int] = Counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -56,9 +57,13 @@ async def _answer(
     state: AppState, island_id: int, accepted: Accepted, *, next_lease: bool, overlap: bool
 ) -> ContributionPublic:
     """The upload's reply, with the island's next lease when it asked for one and one is ready at once (with
-    `overlap`, in a run with `overlap`, also one that trains through module steps due on the uploaded path). The
-    upload is committed by now: a failure to find the lease only leaves it out (the island then asks as usual)."""
+    `overlap`, in a run with `overlap`, also one that trains through module steps due on the uploaded path: that
+    one was granted in the upload's transaction, `Accepted.next_lease`). The upload is committed by now: a
+    failure to find the lease only leaves it out (the island then asks as usual)."""
     answer = accepted.answer
+    if accepted.next_lease is not None:
+        answer.next_lease = state.dispatcher.with_urls(accepted.next_lease)
+        return answer
     if not next_lease:
         return answer
     try:
@@ -182,6 +187,7 @@ async def upload_outer_gradients(
                 hashed=body.sha256 is not None,
                 claimed_sha256=claimed,
                 stream=stream,
+                through=next_lease and overlap,
             )
 
             def accept() -> Accepted:
@@ -231,7 +237,12 @@ async def commit_upload(
     require(principal, "island")
     assert principal.island_id is not None  # island scope
     with state.metrics.counting_refused_uploads():
-        accepted = await run_in_threadpool(state.uploads.commit, lease_id, principal.island_id, commit)
+        accepted = await run_in_threadpool(
+            functools.partial(state.uploads.commit, through=next_lease and overlap),
+            lease_id,
+            principal.island_id,
+            commit,
+        )
     return await _answer(state, principal.island_id, accepted, next_lease=next_lease, overlap=overlap)
 
 
