@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Select, bindparam, func, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
@@ -49,7 +50,7 @@ from coordinator.services.events import add_apply_failure
 from coordinator.services.leases import Affinity, ReadyOffer
 from coordinator.services.periods import finish_if_done
 from coordinator.services.rounds import finish_round
-from coordinator.services.runs import run_schedule, weight_norm
+from coordinator.services.runs import schedule_from, weight_norm
 from coordinator.services.staging import REFUSED, STAGED_READ_ATTEMPTS, verify_staged
 from coordinator.states import ContributionStatus, StepStatus
 from modules import (
@@ -315,6 +316,8 @@ class _Part:
     note: str | None = None
     stored: tuple[float, str | None] = (1.0, None)
     """(scale, note) as read: the step's commit writes only the parts whose outcome differs (clipped, refused)."""
+    staged: bool = False
+    """Its upload is still staged, its hash not checked yet (`staging.verify_staged`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,29 +356,41 @@ def apply_step(
     return _commit(session, [prepared], name, clock=clock, faults=faults, affinity=affinity)[0]
 
 
-def _prepare_step(session: Session, blobs: BlobStore, claimed: _Claimed, *, faults: FaultInjector) -> _Prepared:
-    """A claimed step's math, its new version written to the blob store. Direct uploads the step needs are verified
-    first (`staging.verify_staged`; one that cannot be read is refused at the step's `STAGED_READ_ATTEMPTS`th
-    claim, so a broken object cannot hold its round forever)."""
-    verify_staged(
-        session,
-        blobs,
-        run_id=claimed.run_id,
-        round_=claimed.round,
-        module_id=claimed.module_id,
-        give_up=claimed.attempts >= STAGED_READ_ATTEMPTS,
-    )
+def _prepare_step(
+    session: Session,
+    blobs: BlobStore,
+    claimed: _Claimed,
+    *,
+    faults: FaultInjector,
+    verified: set[str] | None = None,
+) -> _Prepared:
+    """A claimed step's math, its new version written to the blob store. Uploads the step needs that are still
+    staged are verified first (`staging.verify_staged`; one that cannot be read is refused at the step's
+    `STAGED_READ_ATTEMPTS`th claim, so a broken object cannot hold its round forever). `verified`: the upload
+    blobs whose hash this executor checked already (the steps of one batch share their uploads)."""
     with reading():  # `_commit` checks again, under the run's lock, that the module is still at this version
-        module = session.get_one(Module, claimed.module_id)
-        run = session.get_one(Run, claimed.run_id)
-        outer, damping = OuterConfig(**run.config["outer"]), run_schedule(run).damping
-        if module.period_size is not None:  # an async level's module
+        base_version, weights_hash, momentum_hash, period_size, config = session.execute(
+            _module_statement(), {"module_id": claimed.module_id}
+        ).one()
+        outer, damping = OuterConfig(**config["outer"]), schedule_from(config).damping
+        if period_size is not None:  # an async level's module
             outer = outer.for_async()
-        base_version, weights_hash, momentum_hash = module.version, module.weights_hash, module.momentum_hash
         parts = _parts(session, claimed)
         session.rollback()  # the math runs outside any transaction
+    if any(part.staged for part in parts):  # most uploads were hashed as they came in: no read more for them
+        verify_staged(
+            session,
+            blobs,
+            run_id=claimed.run_id,
+            round_=claimed.round,
+            module_id=claimed.module_id,
+            give_up=claimed.attempts >= STAGED_READ_ATTEMPTS,
+        )
+        with reading():  # as verification left them (refused parts, content names)
+            parts = _parts(session, claimed)
+            session.rollback()
     started = time.perf_counter()
-    stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer, damping)
+    stepped = _step(blobs, claimed.module_id, weights_hash, momentum_hash, parts, outer, damping, verified=verified)
     new_version = None
     if stepped is not None:
         new_params, new_momentum = stepped
@@ -390,6 +405,17 @@ def _prepare_step(session: Session, blobs: BlobStore, claimed: _Claimed, *, faul
         )
     faults.point("apply.mid_step")
     return _Prepared(claimed, base_version, parts, new_version, started)
+
+
+@functools.cache
+def _module_statement() -> Select[int, str, str | None, int | None, dict[str, Any]]:
+    """What a step reads of its module and run, in one statement built once (two ORM loads were a seventh of a
+    step's time, docs/LOG.md 2026-12-07)."""
+    return (
+        select(Module.version, Module.weights_hash, Module.momentum_hash, Module.period_size, Run.config)
+        .join(Run, Run.id == Module.run_id)
+        .where(Module.id == bindparam("module_id"))
+    )
 
 
 @functools.cache
@@ -413,9 +439,10 @@ def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
             refused=row.scale == 0 and (row.note or "").startswith(REFUSED),
             note=row.note,
             stored=(row.scale, row.note),
+            staged=staged,
         )
-        for row, tokens in session.execute(
-            select(ContributionGrad, Contribution.tokens)
+        for row, tokens, staged in session.execute(
+            select(ContributionGrad, Contribution.tokens, Contribution.staged_key.is_not(None))
             .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
             .where(
                 ContributionGrad.module_id == claimed.module_id,
@@ -436,6 +463,8 @@ def _step(
     parts: list[_Part],
     outer: OuterConfig,
     damping: Damping = "inverse",
+    *,
+    verified: set[str] | None = None,
 ) -> tuple[Tensors, Tensors | None] | None:
     """The module's outer round (`modules.RoundAccumulator`, one contribution at a time from the memory-mapped
     upload blobs), each part with its outlier factor (`modules.outlier_scales`), recorded on the part.
@@ -454,7 +483,7 @@ def _step(
             part.scale = 0.0  # its note, from verification, stays
     params = decode(blobs.get_bytes(weights_hash))
     momentum = decode(blobs.get_bytes(momentum_hash)) if momentum_hash else None
-    verified: set[str] = set()
+    verified = set() if verified is None else verified
     while True:
         acc = RoundAccumulator()
         for part in parts:
@@ -663,9 +692,10 @@ class ApplyExecutor:
         """Read and compute each claimed step, then commit those computed in one transaction. A step that fails is
         given up and recorded (`give_up_failed`); the others go on (all of them, when the commit fails)."""
         prepared = []
+        verified: set[str] = set()
         for claimed in claims:
             try:
-                prepared.append(_prepare_step(session, self._blobs, claimed, faults=self._faults))
+                prepared.append(_prepare_step(session, self._blobs, claimed, faults=self._faults, verified=verified))
             except Exception as exc:
                 self._give_up(session, claimed, exc)
         if not prepared:

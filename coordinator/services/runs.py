@@ -67,7 +67,12 @@ def tokens_per_lease(run: Run, steps: int | None = None) -> int:
 
 def run_schedule(run: Run) -> AsyncSettings:
     """The run's update modes and async settings (runs created before async levels: all round)."""
-    schedule = run.config.get("schedule", {})
+    return schedule_from(run.config)
+
+
+def schedule_from(config: dict[str, Any]) -> AsyncSettings:
+    """`run_schedule` from a run's stored config (`Run.config`), for a reader that selected only that column."""
+    schedule = config.get("schedule", {})
     return AsyncSettings(
         sync=schedule.get("sync", "round"),
         max_staleness=schedule.get("max_staleness", 4),

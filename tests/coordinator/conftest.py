@@ -31,6 +31,16 @@ def no_executors(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
         yield client
 
 
+@pytest.fixture
+def quiet(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
+    """The app with nothing of its own in the background during a test: no apply executor, and no sweep (its
+    statements and commits would be counted with the request's)."""
+    settings.apply_workers = 0
+    settings.sweep_interval_s = 3600
+    with TestClient(create_app(settings, clock=clock)) as client:
+        yield client
+
+
 @pytest.fixture(params=["file", "streamed"])
 def value_checks(request: pytest.FixtureRequest, settings: Settings) -> str:
     """Where an upload's values are checked: read back from the spooled file (bodies under

@@ -3,6 +3,7 @@ while a module steps, runs that never wait for another path, dynamic local updat
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -398,13 +399,16 @@ def test_only_steps_of_async_modules_change_the_work_signature(no_executors: Tes
 
 
 def _commits(client: TestClient) -> list[int]:
-    """A counter of the database's commits from now on (every session of the app's engine)."""
+    """A counter of the database's commits from now on made on this thread (every session of the app's engine; not
+    the app's own background work, such as its sweep, on its threads)."""
     state = client.app.state.dipaco  # type: ignore[attr-defined]
     engine = state.sessions.kw["bind"]
     seen = [0]
+    mine = threading.get_ident()
 
     def count(conn: Any) -> None:
-        seen[0] += 1
+        if threading.get_ident() == mine:
+            seen[0] += 1
 
     event.listen(engine, "commit", count)
     return seen

@@ -203,11 +203,11 @@ def commits(client: TestClient) -> Iterator[list[int]]:
         event.remove(engine, "commit", count)
 
 
-def test_the_lease_through_is_committed_with_the_upload(no_executors: TestClient, clock: FakeClock) -> None:
+def test_the_lease_through_is_committed_with_the_upload(quiet: TestClient, clock: FakeClock) -> None:
     """The next lease an upload's reply brings through its path's steps is granted in the upload's own
     transaction: one commit for both (the lease issued after the upload's checks), where a grant of its own
     after the upload took two; an upload that does not ask commits once too, and brings no lease."""
-    client = no_executors
+    client = quiet
     run = create_running_run(client, name="one-commit", **OVERLAP)
     island, h = join(client, "one")
     first = lease(client, island, h)

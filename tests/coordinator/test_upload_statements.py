@@ -13,26 +13,14 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event, select
 
-from coordinator.app import create_app
 from coordinator.models import Run
 from coordinator.services.rounds import after_upload
-from coordinator.settings import Settings
 from tests.conftest import FakeClock
 from tests.coordinator.helpers import create_running_run, join, lease, train_lease, upload
 
 UPLOAD_STATEMENTS = 9
 """Two reads before validation (lease with run, prior contribution and round status; the path's modules), the
 run lock, the same read again, four writes (contribution, its parts, lease, path), the close probe."""
-
-
-@pytest.fixture
-def quiet(settings: Settings, clock: FakeClock) -> Iterator[TestClient]:
-    """The app with nothing of its own in the background during a test: no apply executor, and no sweep (its
-    statements would be counted with the upload's)."""
-    settings.apply_workers = 0
-    settings.sweep_interval_s = 3600
-    with TestClient(create_app(settings, clock=clock)) as client:
-        yield client
 
 
 @contextmanager
