@@ -112,23 +112,6 @@ class LeaseDispatcher:
             await self._wakeups.wait(ticket, left)
             held += time.monotonic() - started
 
-    async def lease_through(self, island_id: int, path_id: int) -> LeasePublic | None:
-        """The island's next lease right after its upload on `path_id` was accepted, in a run with `overlap`: it
-        may train through module steps due on that path (`leases.acquire_through`); None when the run does not
-        overlap or no path is free."""
-        async with self._slots:
-            lease = await run_in_threadpool(self._through, island_id, path_id)
-        return None if lease is None else self.with_urls(lease)
-
-    def _through(self, island_id: int, path_id: int) -> LeasePublic | None:
-        with reading(), self._sessions() as session:
-            lease = leases.acquire_through(
-                session, island_id, path_id, now=self._clock(), affinity=self._affinity, max_leases=self._max_leases
-            )
-        if lease is not None:
-            self._metrics.leases_issued.inc()
-        return lease
-
     async def lease_modules(self, lease_id: int, island_id: int, *, wait_s: float) -> LeaseModules:
         """The modules of the island's pending lease at its base versions (`leases.lease_modules`); with `wait_s`
         the request is held until they are all stepped or the time is up (a committed step wakes it)."""

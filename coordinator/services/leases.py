@@ -228,7 +228,7 @@ def _choose_locked(
 def _own_path_stepping(session: Session, run_id: int, island_id: int, budget: int, *, through: int | None) -> bool:
     """Whether the island's home path in the run still has steps to train but waits for a module step: the
     island then waits for it (well under a lease's time) rather than taking another path cold; not when it may
-    train through the step (`through` is that path, `acquire_through`)."""
+    train through the step (`through` is that path, `grant_through`)."""
     own = home_paths(run_id, select(literal(island_id))).scalar_subquery()
     held = select(Path.id).where(Path.id == own, Path.steps_done < budget, stepping(Path.id))
     if through is not None:
@@ -297,24 +297,23 @@ def _acquire_free(
     now: datetime,
     max_leases: int,
     affinity: Affinity,
-    through: int | None = None,
 ) -> tuple[LeasePublic, int] | None:
     """A lease of an all-async run (committed): the same probe-then-lock as a round's, on the path's own count
     (`sharing.plan_lease` chooses the path and span). With affinity on, an island whose home path waits for a
-    module step waits too (`_own_path_stepping`), unless it may train through the step on that path (`through`,
-    `acquire_through`)."""
+    module step waits too (`_own_path_stepping`); only its upload's reply may train through the step
+    (`grant_through`)."""
     run = session.get(Run, rnd.run_id)
     if run is None:
         return None
     budget = run.num_rounds * run.inner_steps
-    if affinity.reserve_s > 0 and _own_path_stepping(session, rnd.run_id, island_id, budget, through=through):
+    if affinity.reserve_s > 0 and _own_path_stepping(session, rnd.run_id, island_id, budget, through=None):
         return None
     live_s = affinity.live_s if affinity.reserve_s > 0 else None
     wanted = lease_steps(session, run, island_id)
     plan = functools.partial(
-        plan_lease, session, island_id=island_id, now=now, budget=budget, wanted=wanted, live_s=live_s, through=through
+        plan_lease, session, island_id=island_id, now=now, budget=budget, wanted=wanted, live_s=live_s
     )
-    if through is None and plan(run) is None:  # the probe spares idle islands the lock; an upload's reply asks once
+    if plan(run) is None:  # the probe spares idle islands the lock
         session.rollback()
         return None
     start_writing(session)
@@ -331,36 +330,22 @@ def _acquire_free(
         return None
     _check_capacity(session, island_id, now=now, max_leases=max_leases)
     path, span = planned
-    lease = _issue(session, run, path, island_id, now=now, span=span, ahead=through is not None)
+    lease = _issue(session, run, path, island_id, now=now, span=span)
     session.commit()
     return lease, expired
-
-
-def acquire_through(
-    session: Session, island_id: int, path_id: int, *, now: datetime, affinity: Affinity, max_leases: int
-) -> LeasePublic | None:
-    """The island's next lease right after its upload on `path_id` was accepted, in a run with `overlap`
-    (committed): that path may be leased while module steps are due on it (whoever's upload made them due),
-    against the versions those steps will make (`_modules(ahead=True)`: those modules come without weights; the
-    island trains on from its own end weights of the path and fetches them from `lease_modules` when they land);
-    else as a lease request would. None when the run does not overlap, or no path is free."""
-    run = session.scalar(select(Run).join(Path, Path.run_id == Run.id).where(Path.id == path_id))
-    if run is None or run.status != RunStatus.RUNNING or run.schedule != "async" or not overlap(run):
-        session.rollback()
-        return None
-    rnd = OpenRound(run.id, run.current_round, None, None, schedule=run.schedule)
-    issued = _acquire_free(session, island_id, rnd, now=now, max_leases=max_leases, affinity=affinity, through=path_id)
-    return None if issued is None else issued[0]
 
 
 def grant_through(
     session: Session, run: Run, island_id: int, path_id: int, *, now: datetime, affinity: Affinity, max_leases: int
 ) -> LeasePublic | None:
-    """`acquire_through` inside the transaction of the island's accepted upload on `path_id` (`uploads._record`,
-    which holds the run row as a lease grant does: FOR UPDATE): the lease is committed with the upload, one
-    transaction and one wait for the log instead of two (docs/LOG.md 2026-12-07). Flushed, not committed; None,
-    with nothing written, when the run does not overlap, the island may hold no more leases or is no longer
-    active, or no path is free."""
+    """The island's next lease, inside the transaction of its accepted upload on `path_id` (`uploads._record`,
+    which holds the run row as a lease grant does: FOR UPDATE), in a run with `overlap`: that path may be leased
+    while module steps are due on it (whoever's upload made them due), against the versions those steps will
+    make (`_modules(ahead=True)`: those modules come without weights; the island trains on from its own end
+    weights of the path and fetches them from `lease_modules` when they land); else as a lease request would.
+    The lease is committed with the upload: one transaction and one wait for the log, not two (docs/LOG.md
+    2026-12-07). Flushed, not committed; None, with nothing written, when the run does not overlap, the island
+    may hold no more leases or is no longer active, or no path is free."""
     if run.status != RunStatus.RUNNING or run.schedule != "async" or not overlap(run):
         return None
     budget = run.num_rounds * run.inner_steps
@@ -585,7 +570,7 @@ def _shard_view(
 
 def _modules(session: Session, path_id: int, *, ahead: bool = False) -> list[LeaseModule]:
     """The path's modules at their current versions, by level; with `ahead`, an async module whose steps are due
-    at the version they will make (its period), without weights (an overlap lease, `acquire_through`)."""
+    at the version they will make (its period), without weights (an overlap lease, `grant_through`)."""
     modules = []
     for module_id, level, version, weights, name, period, period_size in session.execute(
         select(

@@ -191,7 +191,7 @@ def plan_lease(
     """The path and span of the island's next lease in an all-async run, or None when no path may take one.
 
     A path may take a lease while its inner steps (accepted or leased) are under `budget`, no module of it is
-    stepping (but `through`, the path an overlap lease may train through its steps: `leases.acquire_through`), and
+    stepping (but `through`, the path an overlap lease may train through its steps: `leases.grant_through`), and
     fewer than `path_leases` leases hold it; a free path that is another live island's home
     (heartbeat within `live_s`; None: no reservation) is kept for it. The island's home path comes
     first, unless a held path is behind it by more than `wanted` steps (one lease of the island), then the

@@ -130,10 +130,6 @@ class Accepted:
     leased at once. False for a retry (its first attempt's reply may have carried a lease), after a round
     closed (the next round's leases follow its apply) and after a step fell due (the path is held until the
     step commits)."""
-    through_path: int | None = None
-    """A new upload of a run with `overlap` (all-async) that got no lease in its transaction (it did not ask:
-    `Upload.through`): its path, which the island's next lease may train through the module steps due on it
-    (`leases.acquire_through`); None otherwise."""
     next_lease: LeasePublic | None = None
     """The island's next lease, committed with the upload (`Upload.through` in a run with `overlap`)."""
 
@@ -302,11 +298,9 @@ class UploadDesk:
             if submitted.created and submitted.schedule != "round":
                 self._closer.async_progress(submitted.steps)
             ready = submitted.created and not answer.round_applied and submitted.steps == 0
-            asked = submitted.created and submitted.overlap and not upload.through
-            through = contribution.path_id if asked else None
             if submitted.next_lease is not None:
                 self._metrics.leases_issued.inc()
-            return Accepted(answer, lease_ready=ready, through_path=through, next_lease=submitted.next_lease)
+            return Accepted(answer, lease_ready=ready, next_lease=submitted.next_lease)
 
     def _grant(self, session: Session, run: Run, island_id: int, path_id: int) -> LeasePublic | None:
         """The island's next lease in its upload's transaction (`leases.grant_through`), issued now (the clock

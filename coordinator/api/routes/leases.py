@@ -53,9 +53,7 @@ Overlap = Query(
 )
 
 
-async def _answer(
-    state: AppState, island_id: int, accepted: Accepted, *, next_lease: bool, overlap: bool
-) -> ContributionPublic:
+async def _answer(state: AppState, island_id: int, accepted: Accepted, *, next_lease: bool) -> ContributionPublic:
     """The upload's reply, with the island's next lease when it asked for one and one is ready at once (with
     `overlap`, in a run with `overlap`, also one that trains through module steps due on the uploaded path: that
     one was granted in the upload's transaction, `Accepted.next_lease`). The upload is committed by now: a
@@ -64,15 +62,9 @@ async def _answer(
     if accepted.next_lease is not None:
         answer.next_lease = state.dispatcher.with_urls(accepted.next_lease)
         return answer
-    if not next_lease:
+    if not next_lease or not accepted.lease_ready:
         return answer
     try:
-        if overlap and accepted.through_path is not None:
-            answer.next_lease = await state.dispatcher.lease_through(island_id, accepted.through_path)
-            if answer.next_lease is not None:
-                return answer
-        if not accepted.lease_ready:
-            return answer
         found = await state.dispatcher.next_lease(island_id, wait_s=0)
     except ServiceError:  # e.g. 409: the island holds as many leases as it may; its own request says so
         return answer
@@ -198,7 +190,7 @@ async def upload_outer_gradients(
         finally:
             body.close()  # after the thread: a cancelled request still waits for it (anyio does not abandon it)
             body.path.unlink(missing_ok=True)  # accepted uploads were moved into the blob store already
-    return await _answer(state, principal.island_id, accepted, next_lease=next_lease, overlap=overlap)
+    return await _answer(state, principal.island_id, accepted, next_lease=next_lease)
 
 
 @router.post("/leases/{lease_id}/release", response_model=LeaseReleased, responses=errors(403, 404, 409))
@@ -243,7 +235,7 @@ async def commit_upload(
             principal.island_id,
             commit,
         )
-    return await _answer(state, principal.island_id, accepted, next_lease=next_lease, overlap=overlap)
+    return await _answer(state, principal.island_id, accepted, next_lease=next_lease)
 
 
 @router.get("/leases/{lease_id}/modules", response_model=LeaseModules, responses=errors(403, 404, 409))
