@@ -114,8 +114,6 @@ class Submitted:
     schedule: str = "round"
     """The run's schedule: with round levels (`round`, `hybrid`) its rounds close; with async ones (`async`,
     `hybrid`) its paths free up and its module steps fall due on uploads."""
-    overlap: bool = False
-    """The run's `overlap` (all-async runs): the island's next lease may train through the path's due steps."""
     next_lease: LeasePublic | None = None
     """The island's next lease, granted in this upload's transaction (`Upload.through`)."""
 
@@ -546,7 +544,7 @@ def _record(
         granted = grant(session, run, upload.island_id, lease.path_id)
     faults.point("upload.before_commit")
     session.commit()
-    return Submitted(contribution, True, path_index, steps, run.schedule, overlap(run), granted)
+    return Submitted(contribution, True, path_index, steps, run.schedule, granted)
 
 
 @dataclass(frozen=True, slots=True)
