@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -305,15 +305,8 @@ def _acquire_free(
     run = session.get(Run, rnd.run_id)
     if run is None:
         return None
-    budget = run.num_rounds * run.inner_steps
-    if affinity.reserve_s > 0 and _own_path_stepping(session, rnd.run_id, island_id, budget, through=None):
-        return None
-    live_s = affinity.live_s if affinity.reserve_s > 0 else None
-    wanted = lease_steps(session, run, island_id)
-    plan = functools.partial(
-        plan_lease, session, island_id=island_id, now=now, budget=budget, wanted=wanted, live_s=live_s
-    )
-    if plan(run) is None:  # the probe spares idle islands the lock
+    plan = _free_planner(session, run, island_id, now=now, affinity=affinity)
+    if plan is None or plan(run) is None:  # the probe spares idle islands the lock
         session.rollback()
         return None
     start_writing(session)
@@ -335,6 +328,22 @@ def _acquire_free(
     return lease, expired
 
 
+def _free_planner(
+    session: Session, run: Run, island_id: int, *, now: datetime, affinity: Affinity, through: int | None = None
+) -> Callable[[Run], tuple[Path, Span] | None] | None:
+    """`sharing.plan_lease` for the island in an all-async run, bound to everything but the run row (read again
+    under the lock); None when, with affinity on, the island's home path waits for a module step and so does the
+    island (`_own_path_stepping`; not when it may train through that step, `through`)."""
+    budget = run.num_rounds * run.inner_steps
+    if affinity.reserve_s > 0 and _own_path_stepping(session, run.id, island_id, budget, through=through):
+        return None
+    live_s = affinity.live_s if affinity.reserve_s > 0 else None
+    wanted = lease_steps(session, run, island_id)
+    return functools.partial(
+        plan_lease, session, island_id=island_id, now=now, budget=budget, wanted=wanted, live_s=live_s, through=through
+    )
+
+
 def grant_through(
     session: Session, run: Run, island_id: int, path_id: int, *, now: datetime, affinity: Affinity, max_leases: int
 ) -> LeasePublic | None:
@@ -348,15 +357,13 @@ def grant_through(
     may hold no more leases or is no longer active, or no path is free."""
     if run.status != RunStatus.RUNNING or run.schedule != "async" or not overlap(run):
         return None
-    budget = run.num_rounds * run.inner_steps
-    if affinity.reserve_s > 0 and _own_path_stepping(session, run.id, island_id, budget, through=path_id):
+    plan = _free_planner(session, run, island_id, now=now, affinity=affinity, through=path_id)
+    if plan is None:
         return None
     status, holding, allowed = _holding(session, island_id, now=now, max_leases=max_leases)
     if status != IslandStatus.ACTIVE or holding >= allowed:
         return None
-    live_s = affinity.live_s if affinity.reserve_s > 0 else None
-    wanted = lease_steps(session, run, island_id)
-    planned = plan_lease(session, run, island_id, now=now, budget=budget, wanted=wanted, live_s=live_s, through=path_id)
+    planned = plan(run)
     if planned is None:
         return None
     path, span = planned

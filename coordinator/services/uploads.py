@@ -540,7 +540,7 @@ def _record(
         steps += flush_periods(session, run)
         finish_if_done(session, run)
     granted = None
-    if granting and grant is not None and overlap(run):
+    if granting and grant is not None:  # `grant_through` checks the run again under the lock
         granted = grant(session, run, upload.island_id, lease.path_id)
     faults.point("upload.before_commit")
     session.commit()
