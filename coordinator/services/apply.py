@@ -38,7 +38,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Select, bindparam, func, select, update
+from sqlalchemy import Connection, Insert, Select, Update, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 from sqlalchemy.sql.dml import ReturningUpdate
 
@@ -107,7 +107,9 @@ class StepDone:
 
 
 @dataclass(frozen=True, slots=True)
-class _Claimed:
+class Claimed:
+    """A module step claimed by an executor (`claim_steps`, or an upload for it: `periods.make_due`)."""
+
     step_id: int
     run_id: int
     round: int
@@ -168,7 +170,7 @@ def _claim_statements() -> tuple[_Candidates, _Candidates, ReturningUpdate[int, 
     return claimable.limit(1), candidates, take
 
 
-def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S) -> _Claimed | None:
+def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S) -> Claimed | None:
     """Claim one step (`claim_steps` with a limit of one); None when there is none to claim."""
     claimed = claim_steps(session, name, now=now, claim_s=claim_s, limit=1)
     return claimed[0] if claimed else None
@@ -176,7 +178,7 @@ def claim_step(session: Session, name: str, *, now: datetime, claim_s: float = C
 
 def claim_steps(
     session: Session, name: str, *, now: datetime, claim_s: float = CLAIM_S, limit: int = ASYNC_BATCH
-) -> list[_Claimed]:
+) -> list[Claimed]:
     """Claim the oldest step that is pending, or running under a claim older than `claim_s`, and whose module has
     no earlier step left; when it is an async module's, also up to `limit` - 1 more such steps of the same run's
     async modules (one per module: a module's later step waits for its earlier one); commit. Empty when there is
@@ -187,25 +189,24 @@ def claim_steps(
     probe, candidates, take = _claim_statements()
     stale = now - timedelta(seconds=claim_s)
     with reading():
-        if session.execute(probe, {"stale": stale}).first() is None:
+        if session.connection().execute(probe, {"stale": stale}).first() is None:
             session.rollback()
             return []
         start_writing(session)
         with without_flush_wait(session):  # a claim lost in a power cut is pending again: the step is redone
-            claimed: list[_Claimed] = []
+            claimed: list[Claimed] = []
             batch: int | None = None  # the run of the async steps claimed so far
-            for step_id, status, run_id, asynchronous in session.execute(candidates, {"stale": stale}).all():
+            connection = session.connection()  # Core rows: the claim loads no ORM objects
+            for step_id, status, run_id, asynchronous in connection.execute(candidates, {"stale": stale}).all():
                 if claimed and (not asynchronous or run_id != batch):
                     continue
-                taken = session.execute(
-                    take,
-                    {"claimed_step": step_id, "claimed_status": status, "claimer": name, "claimed_now": now},
-                    execution_options={"synchronize_session": False},
+                taken = connection.execute(
+                    take, {"claimed_step": step_id, "claimed_status": status, "claimer": name, "claimed_now": now}
                 ).first()
                 if taken is None:
                     continue
                 claimed.append(
-                    _Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2], attempts=taken[3])
+                    Claimed(step_id=step_id, run_id=taken[0], round=taken[1], module_id=taken[2], attempts=taken[3])
                 )
                 if not asynchronous or len(claimed) >= limit:
                     break
@@ -218,7 +219,7 @@ def claim_steps(
 
 
 def give_up_failed(
-    session: Session, claimed: _Claimed, name: str, error: BaseException, *, now: datetime, claim_s: float = CLAIM_S
+    session: Session, claimed: Claimed, name: str, error: BaseException, *, now: datetime, claim_s: float = CLAIM_S
 ) -> float | None:
     """Give up this executor's claim on a step that failed, and record why (an `apply_failed` event); commit.
 
@@ -249,6 +250,24 @@ def give_up_failed(
     )
     session.commit()
     return delay
+
+
+def release_claims(session: Session, claims: list[Claimed], name: str) -> int:
+    """Put back to `pending` the steps of `claims` still claimed by executor `name` (handed to it and never
+    taken up, as at shutdown); commit. Returns how many."""
+    if not claims:
+        return 0
+    released = session.execute(
+        update(ModuleStep)
+        .where(
+            ModuleStep.id.in_([c.step_id for c in claims]),
+            ModuleStep.status == StepStatus.RUNNING,
+            ModuleStep.claimed_by == name,
+        )
+        .values(status=StepStatus.PENDING, claimed_by=None, claimed_at=None)
+    )
+    session.commit()
+    return int(released.rowcount or 0)  # type: ignore[attr-defined]
 
 
 def release_dead_claims(session: Session) -> int:
@@ -333,9 +352,11 @@ class _NewVersion:
 class _Prepared:
     """A claimed step whose math is done and whose new version is in the blob store, to commit (`_commit`)."""
 
-    claimed: _Claimed
+    claimed: Claimed
     base_version: int
     """The module's version the step read (the commit checks that it is still the module's)."""
+    period_size: int | None
+    """The module's (`Module.period_size`): set on async levels, whose every step makes a version."""
     parts: list[_Part]
     new_version: _NewVersion | None
     started: float
@@ -344,7 +365,7 @@ class _Prepared:
 def apply_step(
     session: Session,
     blobs: BlobStore,
-    claimed: _Claimed,
+    claimed: Claimed,
     name: str,
     *,
     clock: Callable[[], datetime],
@@ -359,7 +380,7 @@ def apply_step(
 def _prepare_step(
     session: Session,
     blobs: BlobStore,
-    claimed: _Claimed,
+    claimed: Claimed,
     *,
     faults: FaultInjector,
     verified: set[str] | None = None,
@@ -369,9 +390,9 @@ def _prepare_step(
     `STAGED_READ_ATTEMPTS`th claim, so a broken object cannot hold its round forever). `verified`: the upload
     blobs whose hash this executor checked already (the steps of one batch share their uploads)."""
     with reading():  # `_commit` checks again, under the run's lock, that the module is still at this version
-        base_version, weights_hash, momentum_hash, period_size, config = session.execute(
-            _module_statement(), {"module_id": claimed.module_id}
-        ).one()
+        base_version, weights_hash, momentum_hash, period_size, config = (
+            session.connection().execute(_module_statement(), {"module_id": claimed.module_id}).one()
+        )
         outer, damping = OuterConfig(**config["outer"]), schedule_from(config).damping
         if period_size is not None:  # an async level's module
             outer = outer.for_async()
@@ -404,7 +425,7 @@ def _prepare_step(
             weight_norm=weight_norm(new_params),  # the tensors in hand: nothing more is read
         )
     faults.point("apply.mid_step")
-    return _Prepared(claimed, base_version, parts, new_version, started)
+    return _Prepared(claimed, base_version, period_size, parts, new_version, started)
 
 
 @functools.cache
@@ -425,34 +446,53 @@ def _blob_writer() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=4, thread_name_prefix="dipaco-blob-write")
 
 
-def _parts(session: Session, claimed: _Claimed) -> list[_Part]:
+def _parts(session: Session, claimed: Claimed) -> list[_Part]:
     """The accepted uploads' parts for the module's step (the round, or the async period), in path order, then
     arrival (the simulator's order)."""
+    rows = session.connection().execute(
+        _parts_statement(), {"module_id": claimed.module_id, "step": claimed.round, "run_id": claimed.run_id}
+    )
     return [
         _Part(
-            contribution_id=row.contribution_id,
-            blob_hash=row.blob_hash,
-            prefix=row.prefix,
+            contribution_id=contribution_id,
+            blob_hash=blob_hash,
+            prefix=prefix,
             tokens=tokens,
-            norm=0.0 if row.norm is None else row.norm,
-            staleness=row.staleness,
-            refused=row.scale == 0 and (row.note or "").startswith(REFUSED),
-            note=row.note,
-            stored=(row.scale, row.note),
+            norm=0.0 if norm is None else norm,
+            staleness=staleness,
+            refused=scale == 0 and (note or "").startswith(REFUSED),
+            note=note,
+            stored=(scale, note),
             staged=staged,
         )
-        for row, tokens, staged in session.execute(
-            select(ContributionGrad, Contribution.tokens, Contribution.staged_key.is_not(None))
-            .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
-            .where(
-                ContributionGrad.module_id == claimed.module_id,
-                ContributionGrad.step == claimed.round,
-                Contribution.run_id == claimed.run_id,
-                Contribution.status == ContributionStatus.ACCEPTED,
-            )
-            .order_by(Contribution.path_id, Contribution.id)
-        )
+        for contribution_id, blob_hash, prefix, norm, staleness, scale, note, tokens, staged in rows
     ]
+
+
+@functools.cache
+def _parts_statement() -> Select[int, str, str, float | None, int, float, str | None, int, bool]:
+    """`_parts`' query, built once and run on the connection (Core rows, no ORM objects)."""
+    return (
+        select(
+            ContributionGrad.contribution_id,
+            ContributionGrad.blob_hash,
+            ContributionGrad.prefix,
+            ContributionGrad.norm,
+            ContributionGrad.staleness,
+            ContributionGrad.scale,
+            ContributionGrad.note,
+            Contribution.tokens,
+            Contribution.staged_key.is_not(None),
+        )
+        .join(Contribution, Contribution.id == ContributionGrad.contribution_id)
+        .where(
+            ContributionGrad.module_id == bindparam("module_id"),
+            ContributionGrad.step == bindparam("step"),
+            Contribution.run_id == bindparam("run_id"),
+            Contribution.status == ContributionStatus.ACCEPTED,
+        )
+        .order_by(Contribution.path_id, Contribution.id)
+    )
 
 
 def _step(
@@ -532,38 +572,38 @@ def _commit(
         select(Run).where(Run.id == run_id).with_for_update().execution_options(populate_existing=True)
     )
     assert run is not None  # runs are never deleted
-    done: list[tuple[_Prepared, Module] | None] = []
+    connection = session.connection()
+    flip, *_ = _commit_statements()
+    done: list[_Prepared | None] = []
     for prepared in steps:
         claimed = prepared.claimed
-        module = session.scalar(select(Module).where(Module.id == claimed.module_id).with_for_update())
-        mine = None
-        if module is not None and module.version == prepared.base_version:
-            mine = session.execute(
-                update(ModuleStep)
-                .where(
-                    ModuleStep.id == claimed.step_id,
-                    ModuleStep.status == StepStatus.RUNNING,
-                    ModuleStep.claimed_by == name,
-                )
-                .values(status=StepStatus.DONE, done_at=now)
-            )
-        if module is None or mine is None or mine.rowcount != 1:  # type: ignore[attr-defined]
+        mine = connection.execute(  # under this executor's claim, the module still at the version the step read
+            flip,
+            {
+                "b_step": claimed.step_id,
+                "b_name": name,
+                "b_now": now,
+                "b_module": claimed.module_id,
+                "b_base": prepared.base_version,
+            },
+        )
+        if mine.rowcount != 1:
             log.warning("module %s of run %s round %s: claim lost, result dropped", claimed.module_id, run_id,
                         claimed.round)  # fmt: skip
             done.append(None)
             continue
-        _record_step(session, prepared, module, now=now)
-        done.append((prepared, module))
+        _record_step(connection, prepared, now=now)
+        done.append(prepared)
     if all(d is None for d in done):
         session.rollback()
         return [None] * len(steps)
-    asynchronous = any(d is not None and d[1].period_size is not None for d in done)
+    asynchronous = any(d is not None and d.period_size is not None for d in done)
     remaining: int | None = 1  # an async step applies no round
     offers: list[ReadyOffer] = []
     if asynchronous:
         finish_if_done(session, run)
     else:
-        [(prepared, _)] = [d for d in done if d is not None]
+        [prepared] = [d for d in done if d is not None]
         remaining = session.scalar(
             select(func.count())
             .select_from(ModuleStep)
@@ -579,17 +619,16 @@ def _commit(
     faults.point("apply.before_commit")
     session.commit()
     results: list[StepDone | None] = []
-    for d in done:
-        if d is None:
+    for prepared in done:
+        if prepared is None:
             results.append(None)
             continue
-        prepared, module = d
         parts = prepared.parts
         log.info(
             "run %s round %s: module %s stepped in %.2f s%s",
             run.id,
             prepared.claimed.round,
-            module.id,
+            prepared.claimed.module_id,
             time.perf_counter() - prepared.started,
             "; round applied" if not remaining else "",
         )
@@ -597,46 +636,98 @@ def _commit(
             StepDone(
                 run_id=run.id,
                 round=prepared.claimed.round,
-                module_id=module.id,
+                module_id=prepared.claimed.module_id,
                 clipped=sum(0 < p.scale < 1 for p in parts),
                 refused=sum(p.scale == 0 for p in parts),
                 round_applied=not remaining,
                 offers=offers,
-                async_step=module.period_size is not None,
+                async_step=prepared.period_size is not None,
             )
         )
     return results
 
 
-def _record_step(session: Session, prepared: _Prepared, module: Module, *, now: datetime) -> None:
+def _record_step(connection: Connection, prepared: _Prepared, *, now: datetime) -> None:
     """Inside `_commit`'s transaction: the module's new version (an async step always makes one: staleness counts
     steps), and the outlier factors of the parts whose outcome differs from what their rows say."""
-    new_version = prepared.new_version
-    if new_version is not None or module.period_size is not None:
-        if new_version is not None:
-            module.weights_hash, module.momentum_hash = new_version.weights_hash, new_version.momentum_hash
-            module.weight_norm = new_version.weight_norm
-        module.version += 1
-        module.updated_at = now
-        session.add(
-            ModuleVersion(
-                module_id=module.id,
-                version=module.version,
-                weights_hash=module.weights_hash,
-                momentum_hash=module.momentum_hash,
-                round=prepared.claimed.round,
-                created_at=now,
+    _, replace, advance, history, factor = _commit_statements()
+    module_id, new_version = prepared.claimed.module_id, prepared.new_version
+    if new_version is not None or prepared.period_size is not None:
+        if new_version is None:  # an async period with nothing left to fold: the same weights, a new version
+            stepped = connection.execute(advance, {"b_module": module_id, "b_now": now})
+        else:
+            stepped = connection.execute(
+                replace,
+                {
+                    "b_module": module_id,
+                    "b_now": now,
+                    "b_weights_hash": new_version.weights_hash,
+                    "b_momentum_hash": new_version.momentum_hash,
+                    "b_weight_norm": new_version.weight_norm,
+                },
             )
+        version, weights_hash, momentum_hash = stepped.one()
+        connection.execute(
+            history,
+            {
+                "module_id": module_id,
+                "version": version,
+                "weights_hash": weights_hash,
+                "momentum_hash": momentum_hash,
+                "round": prepared.claimed.round,
+                "created_at": now,
+            },
         )
-    for part in prepared.parts:
-        if (part.scale, part.note) == part.stored:
-            continue  # as sent (most parts), or refused at verification: the row says so already
-        session.execute(
-            update(ContributionGrad)
-            .where(ContributionGrad.contribution_id == part.contribution_id, ContributionGrad.module_id == module.id)
-            .values(scale=part.scale, note=part.note),
-            execution_options={"synchronize_session": False},
+    changed = [
+        {"b_contribution": part.contribution_id, "b_module": module_id, "b_scale": part.scale, "b_note": part.note}
+        for part in prepared.parts
+        if (part.scale, part.note) != part.stored  # most parts are as sent, or refused at verification already
+    ]
+    if changed:
+        connection.execute(factor, changed)
+
+
+@functools.cache
+def _commit_statements() -> tuple[
+    Update, ReturningUpdate[int, str, str | None], ReturningUpdate[int, str, str | None], Insert, Update
+]:
+    """`_commit`'s statements, built once and run on the connection (an ORM load and flush of the module and its
+    new version were most of a commit's time, docs/LOG.md 2026-12-07 session 7): the flip of a step to `done`
+    under its claim while its module is at the version the step read; the module's new version, with new
+    weights (`replace`) or without (`advance`); its history row; a part's outlier factor."""
+    at_base = (
+        select(Module.id).where(Module.id == bindparam("b_module"), Module.version == bindparam("b_base")).exists()
+    )
+    flip = (
+        update(ModuleStep)
+        .where(
+            ModuleStep.id == bindparam("b_step"),
+            ModuleStep.status == StepStatus.RUNNING,
+            ModuleStep.claimed_by == bindparam("b_name"),
+            at_base,
         )
+        .values(status=StepStatus.DONE, done_at=bindparam("b_now"))
+    )
+    this_module = update(Module).where(Module.id == bindparam("b_module"))
+    returned = (Module.version, Module.weights_hash, Module.momentum_hash)
+    advance = this_module.values(version=Module.version + 1, updated_at=bindparam("b_now")).returning(*returned)
+    replace = this_module.values(
+        version=Module.version + 1,
+        updated_at=bindparam("b_now"),
+        weights_hash=bindparam("b_weights_hash"),
+        momentum_hash=bindparam("b_momentum_hash"),
+        weight_norm=bindparam("b_weight_norm"),
+    ).returning(*returned)
+    history = insert(ModuleVersion)  # the row's columns come as the parameters
+    factor = (
+        update(ContributionGrad)
+        .where(
+            ContributionGrad.contribution_id == bindparam("b_contribution"),
+            ContributionGrad.module_id == bindparam("b_module"),
+        )
+        .values(scale=bindparam("b_scale"), note=bindparam("b_note"))
+    )
+    return flip, replace, advance, history, factor
 
 
 class ApplyExecutor:
@@ -654,6 +745,7 @@ class ApplyExecutor:
         claim_s: float = CLAIM_S,
         on_step: Callable[[StepDone], None] | None = None,
         batch: int = ASYNC_BATCH,
+        handed: Callable[[], list[Claimed]] | None = None,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be at least 1, not {batch}")
@@ -667,6 +759,9 @@ class ApplyExecutor:
         self._affinity = affinity
         self._claim_s = claim_s
         self._on_step = on_step
+        self._handed = handed
+        """Steps claimed for this executor by the uploads of its process (`RoundCloser.take_handed`): taken
+        before any claim of its own."""
         self.steps = 0
         """Steps this executor committed."""
 
@@ -677,7 +772,11 @@ class ApplyExecutor:
         done = 0
         with self._sessions() as session:
             while stop is None or not stop.is_set():
-                claims = claim_steps(session, self.name, now=self._clock(), claim_s=self._claim_s, limit=self._batch)
+                claims = self._handed() if self._handed is not None else []
+                if not claims:
+                    claims = claim_steps(
+                        session, self.name, now=self._clock(), claim_s=self._claim_s, limit=self._batch
+                    )
                 if not claims:
                     return done
                 for result in self._apply(session, claims):
@@ -688,7 +787,7 @@ class ApplyExecutor:
                             self._on_step(result)
         return done
 
-    def _apply(self, session: Session, claims: list[_Claimed]) -> list[StepDone | None]:
+    def _apply(self, session: Session, claims: list[Claimed]) -> list[StepDone | None]:
         """Read and compute each claimed step, then commit those computed in one transaction. A step that fails is
         given up and recorded (`give_up_failed`); the others go on (all of them, when the commit fails)."""
         prepared = []
@@ -710,7 +809,7 @@ class ApplyExecutor:
                 self._give_up(session, done.claimed, exc)
             return []
 
-    def _give_up(self, session: Session, claimed: _Claimed, exc: Exception) -> None:
+    def _give_up(self, session: Session, claimed: Claimed, exc: Exception) -> None:
         log.error("apply executor %s: the step of module %d failed", self.name, claimed.module_id, exc_info=exc)
         give_up_failed(session, claimed, self.name, exc, now=self._clock(), claim_s=self._claim_s)
 
