@@ -32,7 +32,7 @@ from coordinator.errors import ServiceError
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
-from coordinator.services.apply import ApplyExecutor, executor_name, release_dead_claims
+from coordinator.services.apply import ApplyExecutor, executor_name, release_claims, release_dead_claims
 from coordinator.services.closing import RoundCloser
 from coordinator.services.direct import DirectLimits
 from coordinator.services.dispatch import LeaseDispatcher
@@ -121,7 +121,10 @@ def start_executors(state: AppState, stop: threading.Event) -> list[threading.Th
             affinity=state.dispatcher.affinity,
             claim_s=state.settings.apply_claim_s,
             on_step=lambda done: state.closer.stepped(done, now=state.clock()),
+            handed=state.closer.take_handed if index == 0 else None,
         )
+        if index == 0:  # uploads claim the steps they make due for it (`periods.make_due`)
+            state.closer.claimer = executor.name
         thread = threading.Thread(
             target=executor.serve,
             args=(stop, state.closer.executors_wake),
@@ -195,10 +198,15 @@ def create_app(settings: Settings, *, clock: Callable[[], datetime] = utcnow) ->
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            claimer, state.closer.claimer = state.closer.claimer, None  # no more hand-overs
             stop.set()
             state.closer.executors_wake.set()
             for thread in executors:
                 await asyncio.to_thread(thread.join, 30)
+            if claimer is not None:  # the steps handed over and not taken up go back to the pool
+                with state.sessions() as session:
+                    while handed := state.closer.take_handed():
+                        release_claims(session, handed, claimer)
             state.engine.dispose()
 
     app = FastAPI(

@@ -11,13 +11,16 @@ Executors of other processes are found by the sweeper instead (a new round chang
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Iterable
 from datetime import datetime
 
 from sqlalchemy.orm import Session
 
 from coordinator.metrics import Metrics
+from coordinator.models import ModuleStep
 from coordinator.offer_book import OfferBook
-from coordinator.services.apply import StepDone
+from coordinator.services.apply import Claimed, StepDone
 from coordinator.services.rounds import after_upload, close_ready_rounds, round_closed
 from coordinator.wakeups import WorkSignal
 
@@ -31,6 +34,10 @@ class RoundCloser:
         self._wakeups = wakeups
         self.executors_wake = threading.Event()
         """Set when this process closed a round: its apply executors look for steps at once."""
+        self.claimer: str | None = None
+        """The name of this process's apply executor that uploads claim the steps they make due for, when they
+        may (`periods.make_due`), and hand over (`hand`); None while it does not run (`--apply-workers 0`)."""
+        self._handed: deque[list[Claimed]] = deque()
 
     def close_ready(self, session: Session, run_ids: list[int] | None, *, now: datetime) -> int:
         """Close the ready rounds of `run_ids` (None: every running run); returns how many were closed."""
@@ -60,9 +67,24 @@ class RoundCloser:
         elif done.async_step:
             self._wakeups.notify()  # paths held back for this module may lease again
 
-    def async_progress(self, steps: int) -> None:
+    def async_progress(self, steps: int, *, handed: Iterable[ModuleStep] = ()) -> None:
         """An upload of a run with async levels was accepted (its path is free again) and made `steps` module
-        steps due: wake this process's executors and the lease requests waiting for work."""
+        steps due, of which it claimed `handed` for the `claimer`: hand those over, and wake this process's
+        executors and the lease requests waiting for work."""
+        claims = [
+            Claimed(step_id=s.id, run_id=s.run_id, round=s.round, module_id=s.module_id, attempts=s.attempts)
+            for s in handed
+        ]
+        if claims:
+            self._handed.append(claims)
         if steps:
             self.executors_wake.set()
         self._wakeups.notify()
+
+    def take_handed(self) -> list[Claimed]:
+        """The claims of one upload handed to the `claimer` (oldest first; empty when there are none); any
+        thread."""
+        try:
+            return self._handed.popleft()
+        except IndexError:
+            return []

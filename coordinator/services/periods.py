@@ -9,6 +9,8 @@ periods become steps too (`flush_periods`). A run finishes when its work is done
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -16,15 +18,26 @@ from coordinator.models import Module, ModuleStep, Path, Run
 from coordinator.states import RunStatus, StepStatus
 
 
-def make_due(session: Session, module: Module) -> int:
+def make_due(
+    session: Session, module: Module, *, claimer: str | None = None, now: datetime | None = None
+) -> ModuleStep:
     """The module's filling period becomes a step for the executors (the row is locked by the caller); the next
-    period starts empty. Returns 1."""
+    period starts empty. Returns the step (its id once flushed).
+
+    With `claimer` (an apply executor of the calling process) and no earlier step of the module left (its
+    version has caught up with its period), the step is claimed by that executor at once, in the caller's
+    transaction (`running`, one attempt, claimed at `now`): the caller hands it over after its commit
+    (`RoundCloser.hand`), so no claim transaction stands between the upload and the step. Should the process
+    die first, the claim is taken back like any other (`apply.release_dead_claims`, or once stale)."""
     step = ModuleStep(run_id=module.run_id, round=module.period, module_id=module.id, status=StepStatus.PENDING)
     step.attempts = 0
+    if claimer is not None and module.version == module.period:
+        assert now is not None
+        step.status, step.claimed_by, step.claimed_at, step.attempts = StepStatus.RUNNING, claimer, now, 1
     session.add(step)
     module.period += 1
     module.period_count = 0
-    return 1
+    return step
 
 
 def budget_spent(session: Session, run: Run) -> bool:
@@ -45,7 +58,8 @@ def flush_periods(session: Session, run: Run) -> int:
         .order_by(Module.id)
         .with_for_update()
     ):
-        due += make_due(session, module)
+        make_due(session, module)
+        due += 1
     return due
 
 

@@ -32,6 +32,7 @@ from coordinator.models import (
     Lease,
     Level,
     Module,
+    ModuleStep,
     Path,
     PathModule,
     Round,
@@ -116,6 +117,9 @@ class Submitted:
     `hybrid`) its paths free up and its module steps fall due on uploads."""
     next_lease: LeasePublic | None = None
     """The island's next lease, granted in this upload's transaction (`Upload.through`)."""
+    handed: tuple[ModuleStep, ...] = ()
+    """Steps it made due that it claimed for this process's executor (`periods.make_due`), committed with it: the
+    caller hands them over (`RoundCloser.hand`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +269,13 @@ class UploadDesk:
         with pinned_session(self._sessions) as session:
             try:
                 submitted = submit_outer_gradients(
-                    session, self._blobs, upload, now=now, faults=self._faults, grant=self._grant
+                    session,
+                    self._blobs,
+                    upload,
+                    now=now,
+                    faults=self._faults,
+                    grant=self._grant,
+                    claimer=self._closer.claimer,
                 )
             except ServiceError as exc:
                 session.rollback()
@@ -294,7 +304,7 @@ class UploadDesk:
             if submitted.created and submitted.schedule != "async":
                 answer.round_applied = self._closer.closed_with(session, answer.run_id, answer.round, now=now)
             if submitted.created and submitted.schedule != "round":
-                self._closer.async_progress(submitted.steps)
+                self._closer.async_progress(submitted.steps, handed=submitted.handed)
             ready = submitted.created and not answer.round_applied and submitted.steps == 0
             if submitted.next_lease is not None:
                 self._metrics.leases_issued.inc()
@@ -332,6 +342,7 @@ def submit_outer_gradients(
     now: datetime,
     faults: FaultInjector = NO_FAULTS,
     grant: Grant | None = None,
+    claimer: str | None = None,
 ) -> Submitted:
     """Accept (or refuse) one upload and commit.
 
@@ -377,7 +388,7 @@ def submit_outer_gradients(
             codec=checked.codec,
             sparse_rows=checked.sparse_rows,
         )
-    return _record(session, blobs, upload, checked, payload, now=now, faults=faults, grant=grant)
+    return _record(session, blobs, upload, checked, payload, now=now, faults=faults, grant=grant, claimer=claimer)
 
 
 def _check_upload(session: Session, upload: Upload, *, now: datetime) -> _Checked | Submitted:
@@ -453,10 +464,12 @@ def _record(
     now: datetime,
     faults: FaultInjector,
     grant: Grant | None,
+    claimer: str | None,
 ) -> Submitted:
     """Under a key-share lock on the run row: check the lease again, store the body, write the contribution, mark
     the lease submitted and advance the path's data cursor; with `grant`, when the upload asks for it, issue the
-    island's next lease; commit."""
+    island's next lease; with `claimer`, claim the steps it makes due for that executor where it may
+    (`periods.make_due`); commit."""
     # the lock first, then the rows in a statement of their own: on PostgreSQL a statement that waited for the
     # lock would still see the other rows as they were when it started (a round closed meanwhile, say).
     # FOR KEY SHARE: uploads go side by side and past lease grants (FOR NO KEY UPDATE); a close or a step
@@ -499,7 +512,8 @@ def _record(
         blobs.stage_file(upload.body, staged_key)
     elif upload.body is not None:
         blobs.put_file(upload.body, upload.body_sha256)
-    slots, steps = _assign_steps(session, run, lease, checked.levels, checked.async_modules)
+    slots, made = _assign_steps(session, run, lease, checked.levels, checked.async_modules, claimer=claimer, now=now)
+    steps = len(made)
     session.add_all(
         ContributionGrad(
             contribution_id=contribution.id,
@@ -544,7 +558,8 @@ def _record(
         granted = grant(session, run, upload.island_id, lease.path_id)
     faults.point("upload.before_commit")
     session.commit()
-    return Submitted(contribution, True, path_index, steps, run.schedule, granted)
+    handed = tuple(step for step in made if step.claimed_by is not None)
+    return Submitted(contribution, True, path_index, steps, run.schedule, granted, handed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -677,12 +692,19 @@ class _Slot:
 
 
 def _assign_steps(
-    session: Session, run: Run, lease: Lease, levels: dict[int, tuple[int, str]], async_modules: frozenset[int]
-) -> tuple[dict[int, _Slot], int]:
+    session: Session,
+    run: Run,
+    lease: Lease,
+    levels: dict[int, tuple[int, str]],
+    async_modules: frozenset[int],
+    *,
+    claimer: str | None,
+    now: datetime,
+) -> tuple[dict[int, _Slot], list[ModuleStep]]:
     """Each part's module step (under the run's shared lock; the async modules' rows locked, in id order): a
     round level's part goes to the lease's round; an async level's to the module's filling period, which becomes
-    a step for the executors when it is full. Refuses (409) a part staler than the run allows. Returns the
-    slots and how many steps were made due."""
+    a step for the executors when it is full (claimed for `claimer` where it may: `periods.make_due`). Refuses
+    (409) a part staler than the run allows. Returns the slots and the steps made due."""
     async_ids = sorted(async_modules)
     locked = {
         module.id: module
@@ -696,7 +718,7 @@ def _assign_steps(
     } if async_ids else {}  # fmt: skip
     max_staleness = run_schedule(run).max_staleness
     slots: dict[int, _Slot] = {}
-    due = 0
+    due: list[ModuleStep] = []
     for level_index, (module_id, name) in levels.items():
         base = int(lease.base_versions[str(module_id)])
         module = locked.get(module_id)
@@ -708,5 +730,5 @@ def _assign_steps(
         module.period_count += 1
         assert module.period_size is not None
         if module.period_count >= module.period_size:
-            due += make_due(session, module)
+            due.append(make_due(session, module, claimer=claimer, now=now))
     return slots, due
