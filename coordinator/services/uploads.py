@@ -119,7 +119,7 @@ class Submitted:
     """The island's next lease, granted in this upload's transaction (`Upload.through`)."""
     handed: tuple[ModuleStep, ...] = ()
     """Steps it made due that it claimed for this process's executor (`periods.make_due`), committed with it: the
-    caller hands them over (`RoundCloser.hand`)."""
+    caller hands them over (`RoundCloser.async_progress`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """The coordinator killed with SIGKILL in the middle of an upload and of a round apply, then restarted: the run
 completes, every round is applied exactly once, and module versions match their recomputed outer steps. The same
-for an all-async run (a period's step killed mid-commit, an upload killed after it filled a period): every
-contribution is in exactly one period, every period applied once. And for a hybrid run (async embed and head,
-round blocks), its apply killed once in an async level's period step and once in a round's block step."""
+for an all-async run (a period's step killed mid-commit, and mid-math while the executor works on the steps an
+upload claimed for it; an upload killed after it filled a period): every contribution is in exactly one period,
+every period applied once. And for a hybrid run (async embed and head, round blocks), its apply killed once in an
+async level's period step and once in a round's block step."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ SCHEDULES: dict[str, dict[str, object]] = {
         ("apply.before_commit", "round"),
         ("upload.before_commit", "async"),
         ("apply.before_commit", "async"),
+        # the steps an upload claimed for the executor (handed over): killed while it works on the first of them
+        ("apply.mid_step", "async"),
         ("upload.before_commit", "hybrid"),
         ("apply.before_commit", "hybrid"),
         ("apply.before_commit", "hybrid-round-first"),
