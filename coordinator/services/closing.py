@@ -67,19 +67,23 @@ class RoundCloser:
         elif done.async_step:
             self._wakeups.notify()  # paths held back for this module may lease again
 
-    def async_progress(self, steps: int, *, handed: Iterable[ModuleStep] = ()) -> None:
+    def async_progress(self, steps: int) -> None:
         """An upload of a run with async levels was accepted (its path is free again) and made `steps` module
-        steps due, of which it claimed `handed` for the `claimer`: hand those over, and wake this process's
-        executors and the lease requests waiting for work."""
-        claims = [
-            Claimed(step_id=s.id, run_id=s.run_id, round=s.round, module_id=s.module_id, attempts=s.attempts)
-            for s in handed
-        ]
-        if claims:
-            self._handed.append(claims)
+        steps due: wake this process's executors and the lease requests waiting for work."""
         if steps:
             self.executors_wake.set()
         self._wakeups.notify()
+
+    def hand(self, steps: Iterable[ModuleStep]) -> None:
+        """Hand the `claimer` the steps an upload claimed for it, committed (right after the commit: a claim
+        not handed over would wait `claim_s` for another executor), and wake it."""
+        claims = [
+            Claimed(step_id=s.id, run_id=s.run_id, round=s.round, module_id=s.module_id, attempts=s.attempts)
+            for s in steps
+        ]
+        if claims:
+            self._handed.append(claims)
+            self.executors_wake.set()
 
     def take_handed(self) -> list[Claimed]:
         """The claims of one upload handed to the `claimer` (oldest first; empty when there are none); any

@@ -27,7 +27,7 @@ def make_due(
     With `claimer` (an apply executor of the calling process) and no earlier step of the module left (its
     version has caught up with its period), the step is claimed by that executor at once, in the caller's
     transaction (`running`, one attempt, claimed at `now`): the caller hands it over after its commit
-    (`RoundCloser.async_progress`), so no claim transaction stands between the upload and the step. Should the
+    (`RoundCloser.hand`), so no claim transaction stands between the upload and the step. Should the
     process die first, the claim is taken back like any other (`apply.release_dead_claims`, or once stale)."""
     step = ModuleStep(run_id=module.run_id, round=module.period, module_id=module.id, status=StepStatus.PENDING)
     step.attempts = 0

@@ -119,7 +119,7 @@ class Submitted:
     """The island's next lease, granted in this upload's transaction (`Upload.through`)."""
     handed: tuple[ModuleStep, ...] = ()
     """Steps it made due that it claimed for this process's executor (`periods.make_due`), committed with it: the
-    caller hands them over (`RoundCloser.async_progress`)."""
+    caller hands them over (`RoundCloser.hand`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +285,7 @@ class UploadDesk:
                 if isinstance(exc, LeaseSpent) and retire_lease(session, upload.lease_id, upload.island_id):
                     self._closer.async_progress(0)  # its path may be free again
                 raise
+            self._closer.hand(submitted.handed)  # first: nothing below may leave them unhanded
             contribution = submitted.contribution
             self._metrics.contributions.labels(result="accepted" if submitted.created else "duplicate").inc()
             answer = ContributionPublic(  # read now: the close probe's rollback expires the row
@@ -304,7 +305,7 @@ class UploadDesk:
             if submitted.created and submitted.schedule != "async":
                 answer.round_applied = self._closer.closed_with(session, answer.run_id, answer.round, now=now)
             if submitted.created and submitted.schedule != "round":
-                self._closer.async_progress(submitted.steps, handed=submitted.handed)
+                self._closer.async_progress(submitted.steps)
             ready = submitted.created and not answer.round_applied and submitted.steps == 0
             if submitted.next_lease is not None:
                 self._metrics.leases_issued.inc()
