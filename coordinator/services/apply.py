@@ -603,45 +603,47 @@ def _commit(
     if asynchronous:
         finish_if_done(session, run)
     else:
-        [prepared] = [d for d in done if d is not None]
+        [round_step] = [d for d in done if d is not None]
         remaining = session.scalar(
             select(func.count())
             .select_from(ModuleStep)
             .join(Module, Module.id == ModuleStep.module_id)
             .where(
                 ModuleStep.run_id == run.id,
-                ModuleStep.round == prepared.claimed.round,
+                ModuleStep.round == round_step.claimed.round,
                 ModuleStep.status != StepStatus.DONE,
                 Module.period_size.is_(None),
             )
         )
-        offers = finish_round(session, run, prepared.claimed.round, now=now, affinity=affinity) if not remaining else []
+        offers = (
+            finish_round(session, run, round_step.claimed.round, now=now, affinity=affinity) if not remaining else []
+        )
     faults.point("apply.before_commit")
     session.commit()
     results: list[StepDone | None] = []
-    for prepared in done:
-        if prepared is None:
+    for step in done:
+        if step is None:
             results.append(None)
             continue
-        parts = prepared.parts
+        parts = step.parts
         log.info(
             "run %s round %s: module %s stepped in %.2f s%s",
             run.id,
-            prepared.claimed.round,
-            prepared.claimed.module_id,
-            time.perf_counter() - prepared.started,
+            step.claimed.round,
+            step.claimed.module_id,
+            time.perf_counter() - step.started,
             "; round applied" if not remaining else "",
         )
         results.append(
             StepDone(
                 run_id=run.id,
-                round=prepared.claimed.round,
-                module_id=prepared.claimed.module_id,
+                round=step.claimed.round,
+                module_id=step.claimed.module_id,
                 clipped=sum(0 < p.scale < 1 for p in parts),
                 refused=sum(p.scale == 0 for p in parts),
                 round_applied=not remaining,
                 offers=offers,
-                async_step=prepared.period_size is not None,
+                async_step=step.period_size is not None,
             )
         )
     return results
