@@ -36,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Insert, Select, Update, bindparam, func, insert, select, update
+from sqlalchemy import ColumnElement, Connection, Insert, Select, Update, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 from sqlalchemy.sql.dml import ReturningUpdate
 
@@ -257,17 +257,7 @@ def release_claims(session: Session, claims: list[Claimed], name: str) -> int:
     taken up, as at shutdown); commit. Returns how many."""
     if not claims:
         return 0
-    released = session.execute(
-        update(ModuleStep)
-        .where(
-            ModuleStep.id.in_([c.step_id for c in claims]),
-            ModuleStep.status == StepStatus.RUNNING,
-            ModuleStep.claimed_by == name,
-        )
-        .values(status=StepStatus.PENDING, claimed_by=None, claimed_at=None)
-    )
-    session.commit()
-    return int(released.rowcount or 0)  # type: ignore[attr-defined]
+    return _to_pending(session, ModuleStep.id.in_([c.step_id for c in claims]), ModuleStep.claimed_by == name)
 
 
 def release_dead_claims(session: Session) -> int:
@@ -283,15 +273,20 @@ def release_dead_claims(session: Session) -> int:
     if not dead:
         session.rollback()
         return 0
+    count = _to_pending(session, ModuleStep.claimed_by.in_(dead))
+    log.warning("took back %d module step(s) claimed by executors that are gone: %s", count, ", ".join(dead))
+    return count
+
+
+def _to_pending(session: Session, *which: ColumnElement[bool]) -> int:
+    """Put the running steps that match `which` back to `pending`, unclaimed; commit. Returns how many."""
     released = session.execute(
         update(ModuleStep)
-        .where(ModuleStep.status == StepStatus.RUNNING, ModuleStep.claimed_by.in_(dead))
+        .where(ModuleStep.status == StepStatus.RUNNING, *which)
         .values(status=StepStatus.PENDING, claimed_by=None, claimed_at=None)
     )
     session.commit()
-    count = int(released.rowcount or 0)  # type: ignore[attr-defined]
-    log.warning("took back %d module step(s) claimed by executors that are gone: %s", count, ", ".join(dead))
-    return count
+    return int(released.rowcount or 0)  # type: ignore[attr-defined]
 
 
 def _on_this_host_and_gone(claimed_by: str, host: str) -> bool:
@@ -573,7 +568,7 @@ def _commit(
     )
     assert run is not None  # runs are never deleted
     connection = session.connection()
-    flip, *_ = _commit_statements()
+    flip = _commit_statements().flip
     done: list[_Prepared | None] = []
     for prepared in steps:
         claimed = prepared.claimed
@@ -652,14 +647,14 @@ def _commit(
 def _record_step(connection: Connection, prepared: _Prepared, *, now: datetime) -> None:
     """Inside `_commit`'s transaction: the module's new version (an async step always makes one: staleness counts
     steps), and the outlier factors of the parts whose outcome differs from what their rows say."""
-    _, replace, advance, history, factor = _commit_statements()
+    statements = _commit_statements()
     module_id, new_version = prepared.claimed.module_id, prepared.new_version
     if new_version is not None or prepared.period_size is not None:
         if new_version is None:  # an async period with nothing left to fold: the same weights, a new version
-            stepped = connection.execute(advance, {"b_module": module_id, "b_now": now})
+            stepped = connection.execute(statements.advance, {"b_module": module_id, "b_now": now})
         else:
             stepped = connection.execute(
-                replace,
+                statements.replace,
                 {
                     "b_module": module_id,
                     "b_now": now,
@@ -670,7 +665,7 @@ def _record_step(connection: Connection, prepared: _Prepared, *, now: datetime) 
             )
         version, weights_hash, momentum_hash = stepped.one()
         connection.execute(
-            history,
+            statements.history,
             {
                 "module_id": module_id,
                 "version": version,
@@ -686,13 +681,19 @@ def _record_step(connection: Connection, prepared: _Prepared, *, now: datetime) 
         if (part.scale, part.note) != part.stored  # most parts are as sent, or refused at verification already
     ]
     if changed:
-        connection.execute(factor, changed)
+        connection.execute(statements.factor, changed)
+
+
+class _CommitStatements(NamedTuple):
+    flip: Update
+    replace: ReturningUpdate[int, str, str | None]
+    advance: ReturningUpdate[int, str, str | None]
+    history: Insert
+    factor: Update
 
 
 @functools.cache
-def _commit_statements() -> tuple[
-    Update, ReturningUpdate[int, str, str | None], ReturningUpdate[int, str, str | None], Insert, Update
-]:
+def _commit_statements() -> _CommitStatements:
     """`_commit`'s statements, built once and run on the connection (an ORM load and flush of the module and its
     new version were most of a commit's time, docs/LOG.md 2026-12-07 session 7): the flip of a step to `done`
     under its claim while its module is at the version the step read; the module's new version, with new
@@ -729,7 +730,7 @@ def _commit_statements() -> tuple[
         )
         .values(scale=bindparam("b_scale"), note=bindparam("b_note"))
     )
-    return flip, replace, advance, history, factor
+    return _CommitStatements(flip, replace, advance, history, factor)
 
 
 class ApplyExecutor:

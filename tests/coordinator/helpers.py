@@ -166,15 +166,17 @@ def eventually(read: Callable[[], T], ok: Callable[[T], bool], *, timeout_s: flo
         time.sleep(0.02)
 
 
-def app_executor(client: TestClient, clock: FakeClock) -> ApplyExecutor:
-    """An apply executor as the app runs one: its commits wake the lease requests of this process."""
+def app_executor(client: TestClient, clock: FakeClock, *, name: str = "test-0", handed: bool = False) -> ApplyExecutor:
+    """An apply executor as the app runs one: its commits wake the lease requests of this process; `handed`: it
+    takes up the steps the app's uploads claim for it (as the app's first executor; name it `closer.claimer`)."""
     state = client.app.state.dipaco  # type: ignore[attr-defined]
     return ApplyExecutor(
         sessions=state.sessions,
         blobs=state.blobs,
         clock=clock,
-        name="test-0",
+        name=name,
         on_step=lambda done: state.closer.stepped(done, now=clock()),
+        handed=state.closer.take_handed if handed else None,
     )
 
 

@@ -14,11 +14,20 @@ from sqlalchemy import select
 from coordinator.app import create_app
 from coordinator.db import make_engine, make_sessionmaker
 from coordinator.models import ModuleStep
-from coordinator.services.apply import ApplyExecutor, executor_name
+from coordinator.services.apply import executor_name
 from coordinator.settings import Settings
 from coordinator.states import StepStatus
 from tests.conftest import FakeClock
-from tests.coordinator.helpers import A, create_running_run, eventually, join, lease, train_lease, upload
+from tests.coordinator.helpers import (
+    A,
+    app_executor,
+    create_running_run,
+    eventually,
+    join,
+    lease,
+    train_lease,
+    upload,
+)
 from tests.coordinator.test_overlap import OVERLAP, commits
 
 ME = executor_name(0)
@@ -37,19 +46,6 @@ def _steps(client: TestClient, run_id: int) -> list[tuple[int, int, StepStatus, 
             .order_by(ModuleStep.id)
         ).all()
     return [tuple(r) for r in rows]  # type: ignore[misc]
-
-
-def _executor(client: TestClient, clock: FakeClock) -> ApplyExecutor:
-    """The executor the uploads hand their steps to, as the app builds its first one."""
-    state = client.app.state.dipaco  # type: ignore[attr-defined]
-    return ApplyExecutor(
-        sessions=state.sessions,
-        blobs=state.blobs,
-        clock=clock,
-        name=ME,
-        on_step=lambda done: state.closer.stepped(done, now=clock()),
-        handed=state.closer.take_handed,
-    )
 
 
 def _upload(client: TestClient, body: dict[str, Any], h: dict[str, str], **kw: Any) -> Any:
@@ -88,11 +84,10 @@ def test_an_upload_claims_the_steps_it_makes_due_for_its_executor(quiet: TestCli
         for m in second["modules"]
     )
     # another executor finds nothing it may take: the pending steps wait for the handed ones of their modules
-    other = ApplyExecutor(sessions=state.sessions, blobs=state.blobs, clock=clock, name="test-1")
-    assert other.work() == 0
+    assert app_executor(client, clock, name="test-1").work() == 0
     # the handed steps are taken up with one commit per upload's batch, no claim; then the pending ones
     with commits(client) as seen:
-        assert _executor(client, clock).work() == 8
+        assert app_executor(client, clock, name=ME, handed=True).work() == 8
     assert len(seen) == 2 + 2  # two handed batches; one claim and one commit for the shared modules' steps
     assert state.closer.take_handed() == []
     assert {s[2] for s in _steps(client, run["id"])} == {StepStatus.DONE}
