@@ -18,18 +18,18 @@ from tests.island.real_coordinator import Coordinator
 @pytest.fixture
 def make_coordinator(settings: Settings, clock: FakeClock, tmp_path: Path) -> Iterator[Callable[..., Coordinator]]:
     """`make_coordinator(**settings_overrides)`: start the real app (at most once per test)."""
-    started: list[TestClient] = []
+    started: list[Coordinator] = []
 
     def make(**overrides: Any) -> Coordinator:
         assert not started, "one coordinator per test"
         configured = settings.model_copy(update=overrides)
-        app = TestClient(create_app(configured, clock=clock))
-        started.append(app.__enter__())
-        return Coordinator(app=app, clock=clock, settings=configured, tmp_path=tmp_path)
+        app = TestClient(create_app(configured, clock=clock)).__enter__()
+        started.append(Coordinator(app=app, clock=clock, settings=configured, tmp_path=tmp_path))
+        return started[-1]
 
     yield make
-    for app in started:
-        app.__exit__(None, None, None)
+    for coordinator in started:
+        coordinator.close()
 
 
 @pytest.fixture

@@ -113,6 +113,8 @@ class FaultyTransport(httpx.BaseTransport):
         self.exchanges: list[Exchange] = []
         self.completed = threading.Condition(self._lock)
         """Notified after every exchange (tests wait on it for the heartbeat thread)."""
+        self._open = True
+        self._in_flight = 0
 
     def inject(self, endpoint: str, fault: Fault, *, attempts: Iterable[int] | None = (1,)) -> None:
         """`fault` on these attempts (1-based) at `endpoint`; `attempts=None`: on every attempt."""
@@ -154,6 +156,26 @@ class FaultyTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         endpoint = endpoint_of(request)
         body = request.read()
+        with self._lock:
+            if not self._open:
+                raise httpx.ConnectError("the test's coordinator has stopped: connection refused", request=request)
+            self._in_flight += 1
+        try:
+            return self._exchange(request, endpoint, body)
+        finally:
+            with self.completed:
+                self._in_flight -= 1
+                self.completed.notify_all()
+
+    def shut(self, *, timeout_s: float = 30.0) -> None:
+        """Refuse new requests (as a stopped server does) and wait for those in flight. Before the TestClient
+        stops: a request that reaches it while it stops (a thread the test left behind) can hang its portal."""
+        with self.completed:
+            self._open = False
+            if not self.completed.wait_for(lambda: self._in_flight == 0, timeout=timeout_s):
+                raise TimeoutError(f"{self._in_flight} requests still in flight after {timeout_s} s")
+
+    def _exchange(self, request: httpx.Request, endpoint: str, body: bytes) -> httpx.Response:
         with self._lock:
             self._attempts[endpoint] += 1
             attempt = self._attempts[endpoint]

@@ -42,6 +42,19 @@ class Coordinator:
     settings: Settings
     tmp_path: Path
     islands: list[Island] = field(default_factory=list)
+    transports: list[FaultyTransport] = field(default_factory=list)
+
+    def transport(self) -> FaultyTransport:
+        """A transport to the app, shut before the app stops (`close`)."""
+        transport = FaultyTransport(self.app)
+        self.transports.append(transport)
+        return transport
+
+    def close(self) -> None:
+        """Stop the app once no island request is in flight; later ones are refused as by a stopped server."""
+        for transport in self.transports:
+            transport.shut()
+        self.app.__exit__(None, None, None)
 
     def create_run(self, **overrides: Any) -> dict[str, Any]:
         """A running run (tests.coordinator.helpers.TINY_RUN with `overrides`) with its shards registered."""
@@ -52,7 +65,7 @@ class Coordinator:
     ) -> tuple[Island, FaultyTransport]:
         """An island (CPU, no probe, no signal handlers, no progress bar, no long polling) and its transport;
         its client retries for `give_up_after_s` with millisecond backoffs."""
-        transport = FaultyTransport(self.app)
+        transport = self.transport()
         base_url = str(self.app.base_url)
         http = httpx.Client(transport=transport, base_url=base_url)
         retry = RetryPolicy(give_up_after_s=give_up_after_s, base_s=0.001, cap_s=0.01)

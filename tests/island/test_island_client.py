@@ -37,7 +37,7 @@ class FakeSleep:
 def client_for(
     coordinator: Coordinator, *, clock: FakeSleep | None = None, join: bool = True, **retry: float
 ) -> tuple[CoordinatorClient, FaultyTransport]:
-    transport = FaultyTransport(coordinator.app)
+    transport = coordinator.transport()
     base_url = str(coordinator.app.base_url)
     http = httpx.Client(transport=transport, base_url=base_url)
     policy = RetryPolicy(**{"give_up_after_s": 2.0, "base_s": 0.001, "cap_s": 0.01, **retry})

@@ -28,6 +28,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from coordinator.client_errors import LeaseLost
 from coordinator.schemas import GRAD_KEY_SEP, IslandCapabilities, LeasePublic
 from coordinator.services import apply as apply_service
 from island.client import CoordinatorClient
@@ -774,12 +775,12 @@ def test_a_stop_request_ends_the_wait_for_the_versions(
     (not after the wait's bound, here 60 s): the lease is released with no step taken."""
     coordinator.create_run(layout=ONE_PATH, sync="async", dn_period=1, overlap=True)
     island, transport = coordinator.island(max_rounds=3)
-    fetch, gate = island._landed_weights, threading.Event()
+    gate = threading.Event()
 
     def stopped_meanwhile(lease: LeasePublic, inputs: Any) -> Any:
         island.request_stop(signal.SIGTERM)
         gate.wait(30)  # the versions never land while the island is stopping
-        return fetch(lease, inputs)
+        raise LeaseLost(lease.lease_id, "gone while its module versions were pending")
 
     island._landed_weights = stopped_meanwhile  # type: ignore[method-assign]
     island._overlap_wait_s = lambda lease: 60.0  # type: ignore[method-assign]
