@@ -1,8 +1,10 @@
 """Content-addressed on-disk cache of module weights and shard tokens: `<cache_dir>/blobs/<sha256>`.
 
-Blobs are complete-or-absent: written to a temporary file in the same directory, fsynced, then
-`os.replace`d into place. A blob is verified (sha256) before it is trusted; a corrupt one is deleted and
-fetched again. Shard token files can be large, so they are verified once per process and then read as a
+Blobs are complete-or-absent: written to a temporary file in the same directory, then `os.replace`d into
+place. A blob is verified (sha256) before it is trusted; a corrupt one is deleted and fetched again. So the
+write is not fsynced: a blob torn by a power cut fails that check in the next process and is fetched again
+(an fsync per blob cost an overlap lease ~0.5-3 ms for each module version it waits for, docs/LOG.md
+2026-12-07 session 8). Shard token files can be large, so they are verified once per process and then read as a
 `numpy.memmap`.
 """
 
@@ -79,7 +81,7 @@ class BlobCache:
         return data
 
     def put(self, sha256: str, data: bytes) -> Path:
-        """Store bytes under their hash (verified first), atomically."""
+        """Store bytes under their hash (verified first), atomically (not durably: see the module docstring)."""
         actual = hashlib.sha256(data).hexdigest()
         if actual != sha256:
             raise IntegrityError(what="cache put", expected=sha256, actual=actual)
@@ -88,8 +90,6 @@ class BlobCache:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.replace(tmp, final)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -209,6 +209,9 @@ INTERRUPT_CHECK_S = 0.1
 LANDED_WAIT_S = 5.0
 """Long polling of an overlap lease's pending module versions (they land with a module step: well under this)."""
 
+LANDED_FETCHES = 4
+"""An overlap lease's landed versions fetched at once, at most (one per pending module)."""
+
 
 class _Rebase:
     """An overlap lease's pending module versions, fetched on a thread while the inner steps run. When they land,
@@ -305,10 +308,14 @@ class Island:
         """The trained weights of the last accepted lease, while the lease its reply brought trains through that
         path's module steps (an overlap lease starts there; one copy of the path's weights in memory)."""
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dipaco-landed-weights")
+        self._landed_modules = ThreadPoolExecutor(max_workers=LANDED_FETCHES, thread_name_prefix="dipaco-landed-module")
+        """The fetches of an overlap lease's landed versions, side by side (`_landed_weights`)."""
         self._leader: Leader | None = None
         self._stall = Stall.from_env()
         self._downloaded = 0
         """Bytes downloaded for the lease being prepared."""
+        self._downloaded_lock = threading.Lock()
+        """`_downloaded` is added to by the fetch threads too."""
         self.device = torch.device("cpu")
 
     @property
@@ -453,6 +460,7 @@ class Island:
         asking, self._asking = self._asking, None
         self._asker.shutdown(wait=False, cancel_futures=True)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._landed_modules.shutdown(wait=False, cancel_futures=True)
         if asking is None or not asking.done() or asking.cancelled() or asking.exception() is not None:
             return None
         return asking.result()
@@ -609,7 +617,10 @@ class Island:
         """The weights of an overlap lease's pending versions once they land, by index in `inputs.levels` (on the
         fetch thread)."""
         landed = {m.module_id: m for m in self._landed(lease, inputs.where)}
-        return {i: self._module_weights(landed[inputs.levels[i].module_id], inputs.where) for i in inputs.pending}
+        modules = [landed[inputs.levels[i].module_id] for i in inputs.pending]
+        # side by side: each is a request and a cache write, and the lease waits for the last
+        fetched = self._landed_modules.map(lambda m: self._module_weights(m, inputs.where), modules)
+        return dict(zip(inputs.pending, fetched, strict=True))
 
     def _prepare(self, lease: LeasePublic) -> _Inputs:
         """Check the lease's configs, get its module weights and token range (cache or network). An overlap lease's
@@ -788,6 +799,10 @@ class Island:
 
     # -- inputs ----------------------------------------------------------------------------------------------
 
+    def _count_download(self, size: int) -> None:
+        with self._downloaded_lock:
+            self._downloaded += size
+
     def _module_weights(self, module: LeaseModule, where: str) -> dict[str, torch.Tensor]:
         digest = module.weights_hash
         if digest is None:
@@ -795,7 +810,7 @@ class Island:
 
         def fetch() -> bytes:
             data = self.client.module_weights(module.module_id, module.version, module.weights_hash, url=module.url)
-            self._downloaded += len(data)
+            self._count_download(len(data))
             return data
 
         data = self.cache.get_or_fetch(digest, _retry_integrity_once(fetch))
@@ -812,7 +827,7 @@ class Island:
 
         def fetch() -> bytes:
             data = self.client.heldout_tokens(heldout.shard_id, heldout.tokens_hash, url=heldout.url)
-            self._downloaded += len(data)
+            self._count_download(len(data))
             return data
 
         tokens = self.cache.tokens(heldout.tokens_hash, _retry_integrity_once(fetch))
@@ -823,7 +838,7 @@ class Island:
 
         def fetch() -> bytes:
             data = self.client.shard_tokens(shard.shard_id, shard.tokens_hash, url=shard.url)
-            self._downloaded += len(data)
+            self._count_download(len(data))
             return data
 
         tokens = self.cache.tokens(shard.tokens_hash, _retry_integrity_once(fetch))

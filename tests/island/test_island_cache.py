@@ -53,10 +53,24 @@ def test_a_failed_write_leaves_neither_blob_nor_temp_file(tmp_path: Path, monkey
     cache = BlobCache(tmp_path)
     data = b"x" * 100
 
-    def disk_full(fd: int) -> None:
-        raise OSError(28, "No space left on device")
+    real_fdopen = os.fdopen
 
-    monkeypatch.setattr(os, "fsync", disk_full)
+    class DiskFull:
+        """The temp file, opened for real, whose write fails as on a full disk."""
+
+        def __init__(self, fd: int, mode: str) -> None:
+            self._file = real_fdopen(fd, mode)
+
+        def __enter__(self) -> DiskFull:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._file.close()
+
+        def write(self, data: bytes) -> int:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", DiskFull)
     with pytest.raises(OSError, match="No space"):
         cache.put(sha(data), data)
     assert list((tmp_path / "blobs").iterdir()) == []
