@@ -39,7 +39,7 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_async.py [--quick] [--budget-s 180] [--inner-steps 30]
         [--min-inner-steps 10] [--max-inner-steps 60] [--batch-size 16] [--points 6] [--eval-docs 200] [--seed 0]
-        [--slow-factor 3] [--island-nice 10] [--parts 1,2,3] [--modes round,async,overlap,hybrid]
+        [--slow-factor 3] [--duty-period-s 0.3] [--island-nice 10] [--parts 1,2,3] [--modes round,async,overlap,hybrid]
         [--damping inverse|inverse_square|none]
         [--max-staleness S] [--path-leases N] [--async-outer-lr LR] [--async-outer-momentum M]
         [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
@@ -87,8 +87,11 @@ from router.shards import ROUTER_DIR
 MODES = ("round", "async", "overlap", "hybrid")
 ISLANDS = 4
 DUTY_PERIOD_S = 0.3
+"""The default period of the slow island's stops (`--duty-period-s`). A stop that falls into a wait for the
+module versions counts whole (up to 2/3 of this): a shorter period is closer to a machine that is slower all the
+time (docs/LOG.md 2026-12-07 session 8)."""
 SLOW_FACTOR = 3.0
-"""The slow island runs 1/SLOW_FACTOR of every DUTY_PERIOD_S."""
+"""The slow island runs 1/SLOW_FACTOR of every duty period."""
 ISLAND_NICE = 10
 """The islands' nice value: the coordinator stands for a host of its own, which it is on any real deployment;
 here it shares 2 cores with 4 islands that train flat out, and at nice 0 it waits for a core behind them
@@ -126,6 +129,7 @@ class Config:
     seed: int
     parts: frozenset[int]
     slow_factor: float = SLOW_FACTOR
+    duty_period_s: float = DUTY_PERIOD_S
     island_nice: int = ISLAND_NICE
     stall_leases: float = 3.0
     modes: tuple[str, ...] = MODES
@@ -392,7 +396,7 @@ def train(mode: str, cfg: Config, *, layout: str, shards_dir: Path, workdir: Pat
     def throttle(pid: int) -> None:
         for t in throttles:
             t.stop()
-        throttles.append(Throttle(pid, factor=cfg.slow_factor))
+        throttles.append(Throttle(pid, factor=cfg.slow_factor, period_s=cfg.duty_period_s))
         throttles[-1].start()
 
     try:
@@ -639,7 +643,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         parser.add_argument(f"--{name}", type=float if name == "budget-s" else int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--slow-factor", type=float, default=SLOW_FACTOR, help="the slow island is stopped 1 - 1/this of every 0.3 s"
+        "--slow-factor",
+        type=float,
+        default=SLOW_FACTOR,
+        help="the slow island is stopped 1 - 1/this of every duty period",
+    )
+    parser.add_argument(
+        "--duty-period-s",
+        type=float,
+        default=DUTY_PERIOD_S,
+        help=f"the period of the slow island's stops (default {DUTY_PERIOD_S:g} s)",
     )
     parser.add_argument(
         "--island-nice",
@@ -689,6 +702,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         parser.error("--parts takes a comma-separated subset of 1,2,3")
     if args.slow_factor < 1:
         parser.error("--slow-factor must be >= 1")
+    if not (math.isfinite(args.duty_period_s) and 0.01 <= args.duty_period_s <= 10):
+        parser.error("--duty-period-s must be within 0.01-10 s")
     if not 0 <= args.island_nice <= 19:
         parser.error("--island-nice must be within 0-19")
     wanted = set(args.modes.split(","))
@@ -700,6 +715,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[Config, Path, Path]:
         seed=args.seed,
         parts=parts,
         slow_factor=args.slow_factor,
+        duty_period_s=args.duty_period_s,
         island_nice=args.island_nice,
         modes=modes,
         damping=args.damping,
@@ -743,7 +759,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     documents, router = [d for h in HALVES for d in halves[h]], Router.load(shards_dir / ROUTER_DIR)
     rundir = workdir / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     print(
-        f"{two_by_two.layout}; debug; {ISLANDS} islands, the last one {cfg.slow_factor:g}x slow; "
+        f"{two_by_two.layout}; debug; {ISLANDS} islands, the last one {cfg.slow_factor:g}x slow "
+        f"(stopped {1 - 1 / cfg.slow_factor:.0%} of every {cfg.duty_period_s:g} s); "
         f"islands at nice {cfg.island_nice}; {cfg.budget_s:g} s per mode; "
         f"H {cfg.inner_steps} (async {cfg.min_inner_steps}..{cfg.max_inner_steps}), "
         f"batch {cfg.batch_size}; seed {cfg.seed}; parts {','.join(map(str, sorted(cfg.parts)))}; "
