@@ -1,6 +1,6 @@
 """Async / hybrid bench: the same 2x2 debug model trained for the same wall budget up to four ways, by 4
 islands of which one is ~3x slower, slowed from outside its process by a duty-cycled SIGSTOP/SIGCONT (stopped
-2/3 of every 300 ms):
+2/3 of every 30 ms by default, `--duty-period-s`):
 
 * round: `sync=round`, every module steps when all 4 paths uploaded the round;
 * async: `sync=async`, staleness-damped Delayed Nesterov, dynamic local updates (H scaled by island speed
@@ -39,7 +39,7 @@ poll is never scored: a state at time t is the newest *seen* version of each mod
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_async.py [--quick] [--budget-s 180] [--inner-steps 30]
         [--min-inner-steps 10] [--max-inner-steps 60] [--batch-size 16] [--points 6] [--eval-docs 200] [--seed 0]
-        [--slow-factor 3] [--duty-period-s 0.3] [--island-nice 10] [--parts 1,2,3] [--modes round,async,overlap,hybrid]
+        [--slow-factor 3] [--duty-period-s 0.03] [--island-nice 10] [--parts 1,2,3] [--modes round,async,overlap,hybrid]
         [--damping inverse|inverse_square|none]
         [--max-staleness S] [--path-leases N] [--async-outer-lr LR] [--async-outer-momentum M]
         [--out /tmp/bench-async.json] [--workdir /tmp/bench-async-work]
@@ -86,10 +86,12 @@ from router.shards import ROUTER_DIR
 
 MODES = ("round", "async", "overlap", "hybrid")
 ISLANDS = 4
-DUTY_PERIOD_S = 0.3
-"""The default period of the slow island's stops (`--duty-period-s`). A stop that falls into a wait for the
-module versions counts whole (up to 2/3 of this): a shorter period is closer to a machine that is slower all the
-time (docs/LOG.md 2026-12-07 session 8)."""
+DUTY_PERIOD_S = 0.03
+"""The period of the slow island's stops (`--duty-period-s`): stopped 20 ms of every 30 ms at the default factor,
+closer to a machine that is slower all the time than the 0.3 s used until 2026-12-07. A stop that falls into a
+wait for the module versions counts whole as idle (up to 2/3 of the period): at 0.3 s that put the slow island's
+idle share at 2.7-4.6 % beside 1.8-2.1 % for the fast ones, at 0.03 s at 1.9 % (docs/LOG.md 2026-12-07
+session 8). The slow-down is the same at both (round's leases 2.3-2.4x the fast islands')."""
 SLOW_FACTOR = 3.0
 """The slow island runs 1/SLOW_FACTOR of every duty period."""
 ISLAND_NICE = 10
