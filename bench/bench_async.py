@@ -91,7 +91,7 @@ DUTY_PERIOD_S = 0.03
 closer to a machine that is slower all the time than the 0.3 s used until 2026-12-07. A stop that falls into a
 wait for the module versions counts whole as idle (up to 2/3 of the period): at 0.3 s that put the slow island's
 idle share at 2.7-4.6 % beside 1.8-2.1 % for the fast ones, at 0.03 s at 1.9 % (docs/LOG.md 2026-12-07
-session 8). The slow-down is the same at both (round's leases 2.3-2.4x the fast islands')."""
+session 8). The slow-down is the same at both (round's slow leases 2.3-2.6x the fast ones')."""
 SLOW_FACTOR = 3.0
 """The slow island runs 1/SLOW_FACTOR of every duty period."""
 ISLAND_NICE = 10
