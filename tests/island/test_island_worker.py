@@ -28,10 +28,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from coordinator.client_errors import LeaseLost
 from coordinator.schemas import GRAD_KEY_SEP, IslandCapabilities, LeasePublic
 from coordinator.services import apply as apply_service
 from island.client import CoordinatorClient
+from island.errors import LeaseLost
 from island.faults import STALL_ENV
 from island.heartbeat import Heartbeater
 from island.worker import EXIT_ERROR, EXIT_INTEGRITY, EXIT_OK, EXIT_UNAVAILABLE, Island, IslandConfig
