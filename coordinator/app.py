@@ -27,11 +27,13 @@ from coordinator.api.deps import AppState
 from coordinator.api.guard import RequestGuard
 from coordinator.api.spool import SpoolError, process_spool
 from coordinator.auth import IslandTokenCache, ensure_private_dir, load_service_tokens
+from coordinator.batching import GroupCommit
 from coordinator.blobstore import BlobError, S3BlobStore, open_blob_store
 from coordinator.errors import ServiceError
 from coordinator.faults import FaultInjector
 from coordinator.metrics import Metrics
 from coordinator.offer_book import OfferBook
+from coordinator.services import islands
 from coordinator.services.apply import ApplyExecutor, executor_name, release_claims, release_dead_claims
 from coordinator.services.closing import RoundCloser
 from coordinator.services.direct import DirectLimits
@@ -63,6 +65,12 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
     affinity = Affinity(reserve_s=settings.path_reservation_s, live_s=3 * settings.heartbeat_interval_s)
     wakeups, offers = WorkSignal(), OfferBook()
     closer = RoundCloser(metrics=metrics, offers=offers, wakeups=wakeups)
+
+    def beat(island_ids: list[int]) -> list[list[int]]:
+        with sessions() as session:
+            extended = islands.heartbeats(session, island_ids, now=clock())
+        return [extended[island_id] for island_id in island_ids]
+
     return AppState(
         settings=settings,
         engine=engine,
@@ -89,6 +97,7 @@ def build_state(settings: Settings, *, clock: Callable[[], datetime] = utcnow) -
             direct=blobs if isinstance(blobs, S3BlobStore) else None,
             presign_expiry_s=settings.presign_expiry_s,
         ),
+        heartbeats=GroupCommit(beat),
         uploads=UploadDesk(
             sessions=sessions,
             blobs=blobs,

@@ -7,13 +7,11 @@ together cost a few statements instead of N transactions.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable, Iterable
 from datetime import datetime
 
-from starlette.concurrency import run_in_threadpool
-
+from coordinator.batching import GroupCommit
 from coordinator.schemas import LeasePublic
 from coordinator.services.leases import ReadyOffer
 from coordinator.timeutil import as_utc
@@ -22,9 +20,9 @@ from coordinator.timeutil import as_utc
 class OfferBook:
     """Offers made by this process's round applies, with their lease views, until their islands ask.
 
-    Take-ups are grouped: while one batch's UPDATE runs on a worker thread, requests arriving meanwhile queue for
-    the next one. An offer this book does not hold (another worker made it, or this process restarted) is taken
-    up from the database (`leases.take_offer`), as is one the batch could not take.
+    Take-ups are grouped (`batching.GroupCommit`): while one batch's UPDATE runs on a worker thread, requests
+    arriving meanwhile queue for the next one. An offer this book does not hold (another worker made it, or this
+    process restarted) is taken up from the database (`leases.take_offer`), as is one the batch could not take.
     """
 
     def __init__(self) -> None:
@@ -33,8 +31,7 @@ class OfferBook:
         """lease id -> expiry of every offer put or taken from the database and not yet run out (`put` skips
         them: holding one again would only cost its island a failed take-up later)."""
         self._lock = threading.Lock()
-        self._queue: list[tuple[ReadyOffer, asyncio.Future[LeasePublic | None]]] = []
-        self._drain: asyncio.Task[None] | None = None
+        self._take_ups: GroupCommit[ReadyOffer, LeasePublic | None] | None = None
 
     def put(self, offers: Iterable[ReadyOffer], *, now: datetime) -> int:
         """Hold committed offers (any thread), except those this book held or saw taken before: the apply that
@@ -75,26 +72,8 @@ class OfferBook:
     async def take_up(
         self, offer: ReadyOffer, take: Callable[[list[ReadyOffer]], list[LeasePublic | None]]
     ) -> LeasePublic | None:
-        """The offer as an active lease, or None when it could not be taken; `take` runs one batch (a thread)."""
-        future: asyncio.Future[LeasePublic | None] = asyncio.get_running_loop().create_future()
-        self._queue.append((offer, future))
-        if self._drain is None:
-            self._drain = asyncio.create_task(self._run(take))
-        return await future
-
-    async def _run(self, take: Callable[[list[ReadyOffer]], list[LeasePublic | None]]) -> None:
-        try:
-            while self._queue:
-                batch, self._queue = self._queue, []
-                try:
-                    results = await run_in_threadpool(take, [offer for offer, _ in batch])
-                except Exception as exc:  # noqa: BLE001 - every waiter gets the error
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                for (_, future), result in zip(batch, results, strict=True):
-                    if not future.done():
-                        future.set_result(result)
-        finally:
-            self._drain = None
+        """The offer as an active lease, or None when it could not be taken; `take` runs one batch (a thread; the
+        same function on every call)."""
+        if self._take_ups is None:
+            self._take_ups = GroupCommit(take)
+        return await self._take_ups.submit(offer)

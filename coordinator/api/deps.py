@@ -18,6 +18,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.auth import IslandTokenCache, Principal, ServiceTokens, authenticate, known_principal, token_digest
+from coordinator.batching import GroupCommit
 from coordinator.blobstore import BlobStore
 from coordinator.db import reading
 from coordinator.faults import FaultInjector
@@ -56,6 +57,8 @@ class AppState:
     """Answers lease requests and runs the background sweep (services/dispatch.py)."""
     uploads: UploadDesk
     """Accepts outer-gradient uploads (services/uploads.py)."""
+    heartbeats: GroupCommit[int, list[int]]
+    """Heartbeats that arrive together, recorded in one transaction: island id -> its leases extended."""
 
 
 async def get_state(request: Request) -> AppState:

@@ -50,9 +50,11 @@ def join(spec: IslandJoin, session: SessionDep, state: StateDep, principal: Prin
 
 
 @router.post("/islands/{island_id}/heartbeat", response_model=HeartbeatReply, responses=errors(403, 404))
-def heartbeat(island_id: Id, session: SessionDep, state: StateDep, principal: PrincipalDep) -> HeartbeatReply:
+async def heartbeat(island_id: Id, state: StateDep, principal: PrincipalDep) -> HeartbeatReply:
+    """Liveness, and the island's active leases extended. Heartbeats that arrive together are recorded in one
+    transaction (`AppState.heartbeats`)."""
     require_island(principal, island_id)
-    active = islands.heartbeat(session, island_id, now=state.clock())
+    active = await state.heartbeats.submit(island_id)
     return HeartbeatReply(
         island_id=island_id, active_lease_ids=active, heartbeat_interval_s=state.settings.heartbeat_interval_s
     )
