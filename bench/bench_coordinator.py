@@ -21,7 +21,7 @@ The islands run used in docs/LOG.md: `islands --islands 256 --seconds 100 --trai
 run; each simulated island long-polls for leases, heartbeats every 10 s and "trains" train_s x U(0.7, 1.3)). Its
 report gives what the islands saw, what the coordinator says it spent (`Server-Timing`, per kind) and both
 processes' CPU seconds (they share the machine). BENCH_TRACE=file writes every request as
-(start s, kind, ms, status, held ms) and both CPU counters once a second; BENCH_LOG_LEVEL=info keeps the
+(start s, kind, ms, status, held ms, server ms) and both CPU counters once a second; BENCH_LOG_LEVEL=info keeps the
 coordinator's log.
 """
 
@@ -918,7 +918,7 @@ async def bench_islands(
         payload = grads_for(run.config["model"], run.layout, list(enumerate(levels)), seed=0)
         stop = time.monotonic() + seconds
         rng = random.Random(0)
-        trace: list[tuple[float, str, float, int, float]] = []
+        trace: list[tuple[float, str, float, int, float, float | None]] = []
         t0 = time.perf_counter()
 
         async def timed(kind: str, coro: Any) -> httpx.Response:
@@ -930,7 +930,7 @@ async def bench_islands(
             server = server_ms(r)
             if server is not None:
                 latencies.setdefault(f"{kind} (server)", []).append(server)
-            trace.append((t - t0, kind, latencies[kind][-1], r.status_code, held))
+            trace.append((t - t0, kind, latencies[kind][-1], r.status_code, held, server))
             return r
 
         async def heartbeats(client: httpx.AsyncClient, iid: int, h: dict[str, str]) -> None:
