@@ -2,7 +2,7 @@
 on a worker thread join the next one, so N requests at once cost a few transactions instead of N.
 
 At low load a batch holds one request and costs what the request alone did; under load the batches grow and the
-cost per request falls, which is when it matters. Used by the offer book's take-ups (a round opening wakes every
+cost per request falls, which is when it matters. Used by the dispatcher's offer take-ups (a round opening wakes every
 island at once) and by heartbeats (the most frequent request).
 """
 

@@ -1,18 +1,16 @@
 """Offers made by this process's round applies, held with their lease views until their islands ask.
 
 When a round opens, every island asks at once. The apply builds each offer's lease view as it makes the offer,
-and the take-ups of a burst share one UPDATE per batch (`services.leases.take_up_offers`), so N islands waking
-together cost a few statements instead of N transactions.
+and the dispatcher takes the offers of a burst up in batches, one UPDATE each (`services.leases.take_up_offers`
+through `batching.GroupCommit`), so N islands waking together cost a few statements instead of N transactions.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import datetime
 
-from coordinator.batching import GroupCommit
-from coordinator.schemas import LeasePublic
 from coordinator.services.leases import ReadyOffer
 from coordinator.timeutil import as_utc
 
@@ -20,9 +18,8 @@ from coordinator.timeutil import as_utc
 class OfferBook:
     """Offers made by this process's round applies, with their lease views, until their islands ask.
 
-    Take-ups are grouped (`batching.GroupCommit`): while one batch's UPDATE runs on a worker thread, requests
-    arriving meanwhile queue for the next one. An offer this book does not hold (another worker made it, or this
-    process restarted) is taken up from the database (`leases.take_offer`), as is one the batch could not take.
+    An offer this book does not hold (another worker made it, or this process restarted) is taken up from the
+    database (`leases.take_offer`), as is one the dispatcher's batch could not take.
     """
 
     def __init__(self) -> None:
@@ -31,7 +28,6 @@ class OfferBook:
         """lease id -> expiry of every offer put or taken from the database and not yet run out (`put` skips
         them: holding one again would only cost its island a failed take-up later)."""
         self._lock = threading.Lock()
-        self._take_ups: GroupCommit[ReadyOffer, LeasePublic | None] | None = None
 
     def put(self, offers: Iterable[ReadyOffer], *, now: datetime) -> int:
         """Hold committed offers (any thread), except those this book held or saw taken before: the apply that
@@ -68,12 +64,3 @@ class OfferBook:
 
     def __len__(self) -> int:
         return len(self._ready)
-
-    async def take_up(
-        self, offer: ReadyOffer, take: Callable[[list[ReadyOffer]], list[LeasePublic | None]]
-    ) -> LeasePublic | None:
-        """The offer as an active lease, or None when it could not be taken; `take` runs one batch (a thread; the
-        same function on every call)."""
-        if self._take_ups is None:
-            self._take_ups = GroupCommit(take)
-        return await self._take_ups.submit(offer)

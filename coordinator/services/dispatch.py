@@ -23,6 +23,7 @@ from datetime import datetime
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from coordinator.batching import GroupCommit
 from coordinator.blobstore import S3BlobStore
 from coordinator.db import reading, start_writing
 from coordinator.metrics import Metrics
@@ -87,6 +88,9 @@ class LeaseDispatcher:
         self._presign_expiry_s = presign_expiry_s
         """Leases one island may hold at once (its capabilities may ask for fewer)."""
         self._slots = asyncio.Semaphore(MAX_LEASE_ATTEMPTS)
+        self._take_ups = GroupCommit(self._take_up)
+        """Offers from the book taken up in batches: requests that arrive while one batch's UPDATE runs join the
+        next one."""
         self._newest_round: int | None = -1
         """The newest round id the sweep saw (-1: none yet); a new one makes it adopt the database's offers."""
 
@@ -164,7 +168,7 @@ class LeaseDispatcher:
         since the island last found nothing there."""
         offer = self._offers.pop(island_id, now=self._clock())
         if offer is not None:
-            taken = await self._offers.take_up(offer, self._take_up)
+            taken = await self._take_ups.submit(offer)
             if taken is not None:
                 self._metrics.leases_issued.inc()
                 return _Found(taken, None)

@@ -42,11 +42,6 @@ def get_island(session: Session, island_id: int) -> Island:
     return island
 
 
-def heartbeat(session: Session, island_id: int, *, now: datetime) -> list[int]:
-    """Record liveness and extend the island's active leases; returns the ids extended (`heartbeats`, for one)."""
-    return heartbeats(session, [island_id], now=now)[island_id]
-
-
 def heartbeats(session: Session, island_ids: list[int], *, now: datetime) -> dict[int, list[int]]:
     """Record the liveness of islands and extend their active leases, in one transaction; returns each island's
     lease ids extended (every island asked for has an entry, repeats included once).
@@ -78,7 +73,6 @@ def _beat(session: Session, island_ids: list[int], *, now: datetime) -> dict[int
         select(Lease.id, Lease.issued_at, Run.lease_ttl_s, Run.max_lease_s)
         .join(Run, Run.id == Lease.run_id)
         .where(Lease.island_id.in_(island_ids), Lease.status == LeaseStatus.ACTIVE, Lease.expires_at >= now)
-        .order_by(Lease.id)
     ).all()
     by_expiry: dict[datetime, list[int]] = defaultdict(list)
     for lease_id, issued_at, ttl, max_lease_s in rows:

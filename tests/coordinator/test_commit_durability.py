@@ -61,7 +61,7 @@ def test_a_heartbeat_commits_without_a_flush_wait_and_the_next_transaction_waits
         seen = Durability(engine)
         sessions = make_sessionmaker(engine)
         with sessions() as session:
-            assert islands.heartbeat(session, island_id, now=clock()) == []
+            assert islands.heartbeats(session, [island_id], now=clock())[island_id] == []
         with sessions() as session:
             beat = session.scalar(select(Island.last_heartbeat).where(Island.id == island_id))
             assert beat is not None and beat.replace(tzinfo=None) == clock().replace(tzinfo=None)
